@@ -1,0 +1,106 @@
+"""Offline simulated acceptance: the drafter chained on stored hidden states, as vLLM drafts.
+
+At every draft start i (the last verified position), step k proposes the token at position
+i + 2 + k. It is accepted when it equals the verifier's greedy token there (argmax over the FULL
+target vocab of the verifier's lm_head on the stored final, pre-norm hidden state) and every
+earlier step was accepted. The drafter's hidden state is chained through its TTT steps and the
+token fed at step k is the sequence's token; for the verifier's own greedy answers that token is
+the verifier's greedy token, i.e. exactly what vLLM feeds after k accepted drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+@dataclass
+class AcceptanceCounts:
+    num_steps: int
+    drafts: int = 0
+    accepted_per_pos: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.accepted_per_pos is None:
+            self.accepted_per_pos = [0] * self.num_steps
+
+    def add(self, accepted_prefix: torch.Tensor) -> None:
+        """accepted_prefix: bool [n_starts, num_steps], True while all steps so far matched."""
+        self.drafts += accepted_prefix.shape[0]
+        for k in range(self.num_steps):
+            self.accepted_per_pos[k] += int(accepted_prefix[:, k].sum())
+
+    def summary(self) -> dict:
+        accepted = sum(self.accepted_per_pos)
+        d = max(self.drafts, 1)
+        return {
+            "num_drafts": self.drafts,
+            "num_draft_tokens": self.drafts * self.num_steps,
+            "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / (d * self.num_steps),
+            "mean_acceptance_length": 1 + accepted / d,
+            "acceptance_per_position": [a / d for a in self.accepted_per_pos],
+        }
+
+
+class VerifierHead:
+    """The verifier's final norm + lm_head, read straight from its safetensors files."""
+
+    def __init__(self, verifier_dir: str | Path, rms_norm_eps: float) -> None:
+        wanted = {"model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+        found: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(verifier_dir).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as fh:
+                for key in set(wanted) & set(fh.keys()):
+                    found[wanted[key]] = fh.get_tensor(key).float()
+        if "lm_head" not in found:  # tied embeddings
+            for f in sorted(Path(verifier_dir).glob("*.safetensors")):
+                with safe_open(str(f), framework="pt") as fh:
+                    if "model.embed_tokens.weight" in fh.keys():
+                        found["lm_head"] = fh.get_tensor("model.embed_tokens.weight").float()
+        self.norm_weight = found["norm"]
+        self.lm_head = found["lm_head"]
+        self.eps = rms_norm_eps
+
+    def greedy(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        h = final_hidden.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
+        return (h @ self.lm_head.T).argmax(-1)
+
+
+def simulate_sample(
+    drafter, head: VerifierHead, hidden_states: torch.Tensor, token_ids: torch.Tensor,
+    loss_mask: torch.Tensor, num_steps: int,
+) -> torch.Tensor:
+    """bool [n_starts, num_steps]: accepted prefix at every draft start of one sample."""
+    length = token_ids.shape[0]
+    aux = hidden_states[:, :-1].flatten(1).float()  # [L, n_aux * H]
+    final = hidden_states[:, -1]
+    greedy = head.greedy(final)  # greedy[p] = verifier's token for position p + 1
+    s = length - 1
+    with torch.no_grad():
+        drafts = drafter(
+            hidden_states=aux[:-1].unsqueeze(0),
+            input_ids=token_ids[1:].unsqueeze(0),
+            document_ids=torch.zeros(1, s, dtype=torch.long),
+            position_ids=torch.arange(1, length).unsqueeze(0),
+            ttt_steps=num_steps,
+        )
+    d2t = drafter.d2t
+    starts = torch.arange(s)
+    ok = torch.zeros(s, num_steps, dtype=torch.bool)
+    for k in range(num_steps):
+        target_pos = starts + 2 + k  # position whose token step k proposes
+        valid = target_pos < length
+        draft_ids = drafts[k][0]
+        target_ids = draft_ids + d2t[draft_ids] if d2t is not None else draft_ids
+        verifier_tok = torch.full((s,), -1, dtype=torch.long)
+        verifier_tok[valid] = greedy[target_pos[valid] - 1]
+        ok[:, k] = valid & (target_ids == verifier_tok)
+    prefix = torch.cumprod(ok.int(), dim=1).bool()
+    first_pos = starts + 2
+    keep = (first_pos < length) & (loss_mask[first_pos.clamp(max=length - 1)] > 0)
+    return prefix[keep]

@@ -1,0 +1,83 @@
+"""`eagle3 <stage> [--params params.yaml]`: run one pipeline stage, as dvc.yaml does.
+
+User mistakes print as one line naming the file, field and fix, with a non-zero exit; the
+traceback only with --debug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+
+from eagle3_pipeline.errors import PipelineError
+
+STAGES: dict[str, str] = {
+    "verifier": "build the tiny verifier (tiny profiles) or record the real one's identity",
+    "prepare": "prompt files -> conversations with stable ids, train/val split by id hash",
+    "generate": "the verifier answers every conversation (reasoning kept apart)",
+    "tokenize": "chat-template rendering -> input_ids + loss_mask, token frequencies",
+    "extract": "aux + final hidden states of the verifier -> hidden-state store",
+    "vocab": "draft vocabulary mapping d2t/t2d from token frequencies",
+    "train": "train the EAGLE-3 drafter with speculators; best checkpoint by val loss",
+    "export": "the drafter directory vLLM loads, checked by loading it back",
+    "evaluate": "simulated acceptance of trained vs untrained drafter on val",
+}
+
+
+def _env_defaults() -> None:
+    """No hub access at run time, vLLM caches inside the workspace."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.abspath("data/.work/vllm-cache"))
+    os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="eagle3",
+        description="EAGLE-3 drafter pipeline. Each command is one DVC stage (see dvc.yaml); "
+        "`dvc repro` runs them in order.",
+    )
+    sub = parser.add_subparsers(dest="stage", required=True, metavar="<stage>")
+    for name, help_text in STAGES.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
+        p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _env_defaults()
+    try:
+        from eagle3_pipeline.params import load_params
+
+        params = load_params(args.params)
+        module = importlib.import_module(f"eagle3_pipeline.stages.{args.stage}")
+        t0 = time.monotonic()
+        module.run(params)
+        print(f"[{args.stage}] done in {time.monotonic() - t0:.1f} s", flush=True)
+        return 0
+    except PipelineError as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"error: {args.stage} interrupted; rerun to resume", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"error: {args.stage} failed: {type(exc).__name__}: {exc} "
+              "(rerun with --debug for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Typed schema of params.yaml, validated once before any stage does work.
+
+Unknown keys are errors (a misspelled key would otherwise be silently ignored and the run would
+use a default the user never chose).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
+
+from eagle3_pipeline.errors import ParamsError
+from eagle3_pipeline.layers import resolve_layer_ids
+
+DEFAULT_PARAMS = Path("params.yaml")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TinyVerifierParams(_Strict):
+    """Shape and brief training of a verifier built from a seed (tiny profiles only)."""
+
+    architecture: Literal["llama", "deepseek_v3"] = "llama"
+    num_hidden_layers: int = Field(8, ge=1)
+    hidden_size: int = Field(128, ge=8)
+    intermediate_size: int = Field(384, ge=8)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    vocab_size: int = Field(2048, ge=300)
+    max_position_embeddings: int = Field(2048, ge=64)
+    corpus: str = "data/corpus/verifier_corpus.jsonl"
+    train_steps: int = Field(300, ge=0)
+    train_lr: float = Field(3e-3, gt=0)
+    train_seq_len: int = Field(128, ge=8)
+    train_batch_size: int = Field(16, ge=1)
+
+
+class VerifierParams(_Strict):
+    """Which verifier the drafter is trained for.
+
+    `source: tiny` builds one into `path`; `source: pretrained` uses an existing local directory
+    or hub id and only records its identity.
+    """
+
+    source: Literal["tiny", "pretrained"] = "tiny"
+    path: str = "data/verifier"
+    name: str | None = None
+    revision: str | None = None
+    trust_remote_code: bool = False
+    tiny: TinyVerifierParams = Field(default_factory=TinyVerifierParams)
+
+
+class LayersParams(_Strict):
+    """Layer ids in vLLM's convention: k < N = input of decoder layer k, N = last layer output."""
+
+    aux_layer_ids: list[int] | None = None
+    final_layer_id: int | None = None
+
+
+class PrepareParams(_Strict):
+    prompts: str = "data/prompts"
+    val_ratio: float = Field(0.1, ge=0.0, lt=1.0)
+    max_prompts: int | None = Field(None, ge=1)
+
+
+class GenerateParams(_Strict):
+    backend: Literal["hf"] = "hf"
+    server_url: str | None = None
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    batch_size: int = Field(16, ge=1)
+    concurrency: int = Field(8, ge=1)
+    reasoning_parser: str | None = "deepseek_r1"
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=lambda: {"thinking": True})
+    tensor_parallel_size: int = Field(1, ge=1)
+    max_retries: int = Field(4, ge=0)
+    request_timeout_s: float = Field(300.0, gt=0)
+    server_ready_timeout_s: float = Field(600.0, gt=0)
+
+
+class TokenizeParams(_Strict):
+    max_seq_len: int = Field(512, ge=8)
+
+
+class ExtractParams(_Strict):
+    backend: Literal["hf"] = "hf"
+    max_tokens_per_batch: int = Field(4096, ge=1)
+    store_dtype: Literal["bf16", "fp8"] = "bf16"
+    tensor_parallel_size: int = Field(1, ge=1)
+
+
+class VocabParams(_Strict):
+    draft_vocab_size: int = Field(512, ge=2)
+
+
+class TrainParams(_Strict):
+    epochs: int = Field(30, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    scheduler: Literal["cosine", "linear", "none"] = "cosine"
+    warmup_ratio: float = Field(0.01, ge=0.0, lt=1.0)
+    noise_std: float = Field(0.0, ge=0.0)
+    ttt_steps: int = Field(3, ge=1)
+    ttt_step_loss_decay: float = Field(1.0, gt=0.0)
+    max_tokens_per_batch: int = Field(2048, ge=8)
+    grad_accumulation: int = Field(1, ge=1)
+    num_workers: int = Field(0, ge=0)
+    seed: int = 0
+    init_from: str | None = None
+    train_lm_head: bool = True
+    keep_last: int = Field(2, ge=1)
+    nproc: int = Field(1, ge=1)
+    log_every_steps: int = Field(10, ge=1)
+
+
+class ExportParams(_Strict):
+    format: Literal["speculators", "flat"] = "speculators"
+
+
+class EvaluateParams(_Strict):
+    num_speculative_tokens: int = Field(3, ge=1)
+    online: bool = False
+    max_eval_prompts: int = Field(24, ge=1)
+    max_new_tokens: int = Field(64, ge=1)
+    mismatch_ratio: float = Field(0.5, gt=0.0, le=1.0)
+
+
+class Params(_Strict):
+    profile: str = "tiny-llama"
+    seed: int = 0
+    verifier: VerifierParams = Field(default_factory=VerifierParams)
+    layers: LayersParams = Field(default_factory=LayersParams)
+    prepare: PrepareParams = Field(default_factory=PrepareParams)
+    generate: GenerateParams = Field(default_factory=GenerateParams)
+    tokenize: TokenizeParams = Field(default_factory=TokenizeParams)
+    extract: ExtractParams = Field(default_factory=ExtractParams)
+    vocab: VocabParams = Field(default_factory=VocabParams)
+    train: TrainParams = Field(default_factory=TrainParams)
+    export: ExportParams = Field(default_factory=ExportParams)
+    evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
+
+    @model_validator(mode="after")
+    def _tiny_layer_ids(self, info: ValidationInfo) -> Params:
+        """Check layer ids and vocab sizes against the tiny verifier's shape, known from params."""
+        if self.verifier.source == "tiny":
+            tiny = self.verifier.tiny
+            where = (info.context or {}).get("path", "params.yaml")
+            resolve_layer_ids(self.layers, tiny.num_hidden_layers, where=where)
+            if self.vocab.draft_vocab_size > tiny.vocab_size:
+                raise ValueError(
+                    f"vocab.draft_vocab_size={self.vocab.draft_vocab_size} is larger than the "
+                    f"verifier vocab ({tiny.vocab_size}): lower vocab.draft_vocab_size"
+                )
+        return self
+
+
+def _format_validation_error(path: Path, err: ValidationError) -> str:
+    first = err.errors()[0]
+    field = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        return f"{path}: unknown key '{field}': remove it or fix its spelling (see README, params)"
+    msg = first["msg"].removeprefix("Value error, ")
+    if "input" in first and kind != "value_error":
+        return f"{path}: field '{field}': {msg} (got {first['input']!r})"
+    return f"{path}: {msg}" if field == "(top level)" else f"{path}: field '{field}': {msg}"
+
+
+def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
+    """Read and validate params.yaml; every problem becomes one ParamsError line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(f"{path}: file not found: run from the repo root or pass --params PATH")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ParamsError(f"{path}:{where} is not valid YAML: fix the syntax") from None
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{path}: top level must be a mapping of sections (verifier, train, ...)")
+    try:
+        return Params.model_validate(raw, context={"path": str(path)})
+    except ValidationError as err:
+        raise ParamsError(_format_validation_error(path, err)) from None

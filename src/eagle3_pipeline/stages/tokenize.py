@@ -1,0 +1,76 @@
+"""Stage `tokenize`: render each conversation with the serving chat template.
+
+input_ids are exactly what the server sees (prompt rendered with the generation prompt, then the
+verifier's completion); loss_mask covers the completion only, i.e. the verifier's own tokens.
+Token frequencies of supervised train tokens feed the draft vocab.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from eagle3_pipeline import atomic
+from eagle3_pipeline import verifier as vf
+from eagle3_pipeline.errors import DataError
+from eagle3_pipeline.params import Params
+from eagle3_pipeline.progress import log
+
+STAGE = "tokenize"
+INPUT_DIR = Path("data/generated")
+OUTPUT_DIR = Path("data/tokenized")
+
+
+def completion_text(row: dict, eos: str) -> str:
+    """The verifier's side of the turn, as the template renders it after the generation prompt."""
+    text = ""
+    if row["reasoning"] is not None:
+        text += f"{row['reasoning']}</think>"
+    text += row["content"]
+    if row["finish_reason"] == "stop":
+        text += eos
+    return text
+
+
+def tokenize_row(tokenizer, row: dict, max_seq_len: int, template_kwargs: dict) -> dict:
+    prompt = tokenizer.apply_chat_template(
+        row["messages"], tokenize=False, add_generation_prompt=True, **template_kwargs
+    )
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    completion_ids = tokenizer(completion_text(row, tokenizer.eos_token),
+                               add_special_tokens=False)["input_ids"]
+    input_ids = (prompt_ids + completion_ids)[:max_seq_len]
+    loss_mask = ([0] * len(prompt_ids) + [1] * len(completion_ids))[:max_seq_len]
+    return {"id": row["id"], "split": row["split"], "input_ids": input_ids, "loss_mask": loss_mask}
+
+
+def run(params: Params) -> None:
+    tokenizer = vf.load_tokenizer(params)
+    kwargs = params.generate.chat_template_kwargs
+    out: dict[str, list[dict]] = {}
+    freq: Counter[int] = Counter()
+    dropped = 0
+    for split in ("train", "val"):
+        rows = []
+        for r in atomic.read_jsonl(INPUT_DIR / f"{split}.jsonl"):
+            t = tokenize_row(tokenizer, r, params.tokenize.max_seq_len, kwargs)
+            if sum(t["loss_mask"]) == 0:
+                dropped += 1
+                continue
+            rows.append(t)
+            if split == "train":
+                freq.update(i for i, m in zip(t["input_ids"], t["loss_mask"], strict=True) if m)
+        out[split] = rows
+    if not out["train"]:
+        raise DataError(
+            f"{INPUT_DIR}/train.jsonl: no row has supervised tokens within "
+            f"tokenize.max_seq_len={params.tokenize.max_seq_len}: raise it"
+        )
+    with atomic.replace_dir(OUTPUT_DIR) as tmp:
+        for split, rows in out.items():
+            atomic.write_jsonl(tmp / f"{split}.jsonl", rows)
+        atomic.write_json(tmp / "token_freq.json", {str(k): v for k, v in sorted(freq.items())})
+    n_tok = sum(len(r["input_ids"]) for rows in out.values() for r in rows)
+    n_sup = sum(sum(r["loss_mask"]) for rows in out.values() for r in rows)
+    log(STAGE, f"{len(out['train'])} train + {len(out['val'])} val rows, {n_tok:,} tokens "
+        f"({n_sup:,} supervised), {dropped} dropped without supervised tokens -> {OUTPUT_DIR}")

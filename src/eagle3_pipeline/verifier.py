@@ -1,0 +1,116 @@
+"""Access to the verifier: its (possibly nested) text config, tokenizer, weights and layers.
+
+Kimi-K2.5 is multimodal and keeps its language model's config under `text_config` (or
+`language_model`); everything here looks through that nesting so callers see one flat text config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from eagle3_pipeline.errors import VerifierError
+from eagle3_pipeline.params import Params
+
+_NESTED_KEYS = ("text_config", "language_model", "llm_config")
+
+
+def verifier_path(params: Params) -> Path:
+    return Path(params.verifier.path)
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise VerifierError(
+            f"{cfg_file}: not found: run the 'verifier' stage (tiny profiles) or set verifier.path "
+            "to a local model directory"
+        )
+    return json.loads(cfg_file.read_text())
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config, looking through multimodal wrappers."""
+    for key in _NESTED_KEYS:
+        inner = config.get(key)
+        if isinstance(inner, dict) and "num_hidden_layers" in inner:
+            return text_config(inner)
+    if "num_hidden_layers" not in config:
+        raise VerifierError(
+            "verifier config.json has no num_hidden_layers (nor a nested text_config with one): "
+            "is verifier.path a causal language model?"
+        )
+    return config
+
+
+def shape(config: dict[str, Any]) -> tuple[int, int, int]:
+    """(num_hidden_layers, hidden_size, vocab_size) of the text model."""
+    tc = text_config(config)
+    return int(tc["num_hidden_layers"]), int(tc["hidden_size"]), int(tc["vocab_size"])
+
+
+def config_sha256(path: str | Path) -> str:
+    return hashlib.sha256((Path(path) / "config.json").read_bytes()).hexdigest()
+
+
+def identity(params: Params) -> dict[str, Any]:
+    """How the verifier is named in manifests and drafter configs: never an absolute path."""
+    v = params.verifier
+    return {
+        "name_or_path": v.name or v.path,
+        "revision": v.revision,
+        "config_sha256": config_sha256(v.path),
+    }
+
+
+def needs_remote_code(config: dict[str, Any]) -> bool:
+    return bool(config.get("auto_map"))
+
+
+def check_remote_code(params: Params, config: dict[str, Any]) -> None:
+    if needs_remote_code(config) and not params.verifier.trust_remote_code:
+        raise VerifierError(
+            f"{params.verifier.path}/config.json has auto_map (custom code): set "
+            "verifier.trust_remote_code: true in params.yaml if you trust this model's code"
+        )
+
+
+def load_tokenizer(params: Params):  # -> PreTrainedTokenizerBase
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        params.verifier.path,
+        revision=params.verifier.revision,
+        trust_remote_code=params.verifier.trust_remote_code,
+    )
+
+
+def load_model(params: Params, dtype: str = "auto"):  # -> PreTrainedModel
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = read_config(params.verifier.path)
+    check_remote_code(params, config)
+    model = AutoModelForCausalLM.from_pretrained(
+        params.verifier.path,
+        revision=params.verifier.revision,
+        trust_remote_code=params.verifier.trust_remote_code,
+        dtype=dtype if dtype == "auto" else getattr(torch, dtype),
+    )
+    model.eval()
+    return model
+
+
+def decoder_layers(model) -> list:  # list[torch.nn.Module]
+    """The decoder layer list of a causal LM, wherever the wrapper keeps it."""
+    for path in ("model.layers", "model.language_model.layers", "language_model.model.layers"):
+        obj = model
+        for attr in path.split("."):
+            obj = getattr(obj, attr, None)
+            if obj is None:
+                break
+        if obj is not None:
+            return list(obj)
+    raise VerifierError(f"cannot find decoder layers in {type(model).__name__}")
