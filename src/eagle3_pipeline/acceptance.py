@@ -59,7 +59,7 @@ class VerifierHead:
         if "lm_head" not in found:  # tied embeddings
             for f in sorted(Path(verifier_dir).glob("*.safetensors")):
                 with safe_open(str(f), framework="pt") as fh:
-                    if "model.embed_tokens.weight" in fh.keys():
+                    if "model.embed_tokens.weight" in fh.keys():  # noqa: SIM118 (safe_open is no mapping)
                         found["lm_head"] = fh.get_tensor("model.embed_tokens.weight").float()
         self.norm_weight = found["norm"]
         self.lm_head = found["lm_head"]
@@ -72,8 +72,12 @@ class VerifierHead:
 
 
 def simulate_sample(
-    drafter, head: VerifierHead, hidden_states: torch.Tensor, token_ids: torch.Tensor,
-    loss_mask: torch.Tensor, num_steps: int,
+    drafter,
+    head: VerifierHead,
+    hidden_states: torch.Tensor,
+    token_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    num_steps: int,
 ) -> torch.Tensor:
     """bool [n_starts, num_steps]: accepted prefix at every draft start of one sample."""
     length = token_ids.shape[0]

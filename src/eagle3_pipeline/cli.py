@@ -74,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
-        print(f"error: {args.stage} failed: {type(exc).__name__}: {exc} "
-              "(rerun with --debug for the traceback)", file=sys.stderr)
+        print(
+            f"error: {args.stage} failed: {type(exc).__name__}: {exc} "
+            "(rerun with --debug for the traceback)",
+            file=sys.stderr,
+        )
         return 1
 
 

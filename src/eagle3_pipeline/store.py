@@ -56,8 +56,12 @@ def sample_filename(sample_id: str) -> str:
 
 
 def write_sample(
-    root: Path, sample_id: str, hidden_states: torch.Tensor, token_ids: torch.Tensor,
-    loss_mask: torch.Tensor, layout: StoreLayout,
+    root: Path,
+    sample_id: str,
+    hidden_states: torch.Tensor,
+    token_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    layout: StoreLayout,
 ) -> dict[str, Any]:
     """Write one sample atomically; return its manifest entry."""
     seq, n_layers, hidden = hidden_states.shape
@@ -83,7 +87,9 @@ def read_sample(root: Path, entry: dict[str, Any]) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except Exception as exc:  # safetensors raises several types for damaged files
-        raise StoreError(f"{path}: unreadable ({exc}): run `eagle3 extract` to rewrite it") from None
+        raise StoreError(
+            f"{path}: unreadable ({exc}): run `eagle3 extract` to rewrite it"
+        ) from None
 
 
 def write_manifest(root: Path, layout: StoreLayout, entries: dict[str, dict[str, Any]]) -> None:
@@ -114,7 +120,7 @@ def read_manifest(root: Path) -> dict[str, Any]:
 
 
 def check_layout(manifest: dict[str, Any], aux: list[int], final: int, where: Path) -> None:
-    """Refuse a store whose layer ids differ from the run's: the drafter would learn wrong inputs."""
+    """Refuse a store whose layer ids differ from the run's: a drafter would learn wrong inputs."""
     if manifest["aux_layer_ids"] != aux or manifest["final_layer_id"] != final:
         raise StoreError(
             f"{where}/{MANIFEST}: store has layer ids {manifest['aux_layer_ids']} + "

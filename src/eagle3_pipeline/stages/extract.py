@@ -71,12 +71,14 @@ class LayerCapture:
         def hook(_module, args, kwargs):
             hs = args[0] if args else kwargs["hidden_states"]
             self.captured[lid] = hs.detach()
+
         return hook
 
     def _post(self, lid: int):
         def hook(_module, _args, output):
             hs = output[0] if isinstance(output, tuple) else output
             self.captured[lid] = hs.detach()
+
         return hook
 
     def stacked(self):
@@ -111,17 +113,24 @@ def run(params: Params) -> None:
     config = vf.read_config(params.verifier.path)
     n_layers, hidden, _ = vf.shape(config)
     aux, final = resolve_layer_ids(params.layers, n_layers)
-    rows = {r["id"]: r for split in ("train", "val")
-            for r in atomic.read_jsonl(INPUT_DIR / f"{split}.jsonl")}
+    rows = {
+        r["id"]: r
+        for split in ("train", "val")
+        for r in atomic.read_jsonl(INPUT_DIR / f"{split}.jsonl")
+    }
     layout = store.StoreLayout(aux, final, hidden, params.extract.store_dtype, vf.identity(params))
-    key = resume.fingerprint(layout.__dict__, params.extract.model_dump(),
-                             resume.file_sha256(INPUT_DIR / "train.jsonl"),
-                             resume.file_sha256(INPUT_DIR / "val.jsonl"))
+    key = resume.fingerprint(
+        layout.__dict__,
+        params.extract.model_dump(),
+        resume.file_sha256(INPUT_DIR / "train.jsonl"),
+        resume.file_sha256(INPUT_DIR / "val.jsonl"),
+    )
     work = resume.scratch_dir(STAGE, key)
     journal = resume.Journal(work / "entries.jsonl")
     entries = {e["id"]: e for e in journal.read() if (work / e["file"]).exists()}
-    batches = token_budget_batches({i: len(r["input_ids"]) for i, r in rows.items()},
-                                   params.extract.max_tokens_per_batch)
+    batches = token_budget_batches(
+        {i: len(r["input_ids"]) for i, r in rows.items()}, params.extract.max_tokens_per_batch
+    )
     todo = [b for b in batches if not all(i in entries for i in b)]
     total_tokens = sum(len(r["input_ids"]) for r in rows.values())
     done_tokens = total_tokens - sum(len(rows[i]["input_ids"]) for b in todo for i in b)
@@ -139,8 +148,12 @@ def run(params: Params) -> None:
             for j, sid in enumerate(batch):
                 n = len(ids[j])
                 entry = store.write_sample(
-                    work, sid, hs[j, :n], torch.tensor(ids[j]),
-                    torch.tensor(rows[sid]["loss_mask"]), layout,
+                    work,
+                    sid,
+                    hs[j, :n],
+                    torch.tensor(ids[j]),
+                    torch.tensor(rows[sid]["loss_mask"]),
+                    layout,
                 )
                 new.append(entry | {"id": sid, "split": rows[sid]["split"]})
                 real += n
@@ -151,10 +164,14 @@ def run(params: Params) -> None:
     with atomic.replace_dir(OUTPUT_DIR) as tmp:
         for sid in rows:
             os.replace(work / entries[sid]["file"], tmp / entries[sid]["file"])
-        store.write_manifest(tmp, layout, {
-            sid: {k: v for k, v in entries[sid].items() if k != "id"} for sid in rows})
+        store.write_manifest(
+            tmp, layout, {sid: {k: v for k, v in entries[sid].items() if k != "id"} for sid in rows}
+        )
     journal.clear()
     pad_frac = 1 - real / padded if padded else 0.0
     gb = total_tokens * layout.bytes_per_token() / 1e9
-    log(STAGE, f"{len(rows)} samples, {total_tokens:,} tokens, layers {layout.layer_ids}, "
-        f"{gb:.3f} GB, padding {pad_frac:.1%} -> {OUTPUT_DIR}")
+    log(
+        STAGE,
+        f"{len(rows)} samples, {total_tokens:,} tokens, layers {layout.layer_ids}, "
+        f"{gb:.3f} GB, padding {pad_frac:.1%} -> {OUTPUT_DIR}",
+    )

@@ -45,8 +45,9 @@ def _batch_seed(seed: int, ids: list[str]) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{ids[0]}".encode()).digest()[:4], "big")
 
 
-def _generate_hf(params: Params, batches: list[list[dict]], journal: resume.Journal,
-                 progress: Progress) -> None:
+def _generate_hf(
+    params: Params, batches: list[list[dict]], journal: resume.Journal, progress: Progress
+) -> None:
     """In-process transformers generation; batches are fixed slices, so resume is exact."""
     import torch
 
@@ -58,7 +59,9 @@ def _generate_hf(params: Params, batches: list[list[dict]], journal: resume.Jour
     for batch in batches:
         prompts = [
             tokenizer.apply_chat_template(
-                r["messages"], tokenize=False, add_generation_prompt=True,
+                r["messages"],
+                tokenize=False,
+                add_generation_prompt=True,
                 **g.chat_template_kwargs,
             )
             for r in batch
@@ -67,25 +70,34 @@ def _generate_hf(params: Params, batches: list[list[dict]], journal: resume.Jour
         torch.manual_seed(_batch_seed(params.seed, [r["id"] for r in batch]))
         sampling = (
             {"do_sample": True, "temperature": g.temperature, "top_p": g.top_p}
-            if g.temperature > 0 else {"do_sample": False}
+            if g.temperature > 0
+            else {"do_sample": False}
         )
         with torch.no_grad():
             out = model.generate(
-                **enc, max_new_tokens=g.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id, **sampling,
+                **enc,
+                max_new_tokens=g.max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                **sampling,
             )
-        new_tokens = out[:, enc["input_ids"].shape[1]:]
+        new_tokens = out[:, enc["input_ids"].shape[1] :]
         done = []
         for r, toks in zip(batch, new_tokens.tolist(), strict=True):
             text = tokenizer.decode(toks, skip_special_tokens=False)
             finished = eos in text
             text = text.split(eos, 1)[0].replace(tokenizer.pad_token, "")
             reasoning, content = split_reasoning(text)
-            done.append({
-                "id": r["id"], "split": r["split"], "messages": r["messages"],
-                "reasoning": reasoning, "content": content,
-                "finish_reason": "stop" if finished else "length",
-            })
+            done.append(
+                {
+                    "id": r["id"],
+                    "split": r["split"],
+                    "messages": r["messages"],
+                    "reasoning": reasoning,
+                    "content": content,
+                    "finish_reason": "stop" if finished else "length",
+                }
+            )
         journal.append(done)
         progress.advance(len(batch))
 
@@ -93,8 +105,10 @@ def _generate_hf(params: Params, batches: list[list[dict]], journal: resume.Jour
 def run(params: Params) -> None:
     rows = _rows(params)
     key = resume.fingerprint(
-        params.generate.model_dump(), params.seed,
-        resume.file_sha256(INPUT_DIR / "train.jsonl"), resume.file_sha256(INPUT_DIR / "val.jsonl"),
+        params.generate.model_dump(),
+        params.seed,
+        resume.file_sha256(INPUT_DIR / "train.jsonl"),
+        resume.file_sha256(INPUT_DIR / "val.jsonl"),
         vf.config_sha256(params.verifier.path),
     )
     work = resume.scratch_dir(STAGE, key)
@@ -114,5 +128,8 @@ def run(params: Params) -> None:
         atomic.write_jsonl(tmp / "failed.jsonl", [])
     n_reason = sum(1 for r in results if r["reasoning"])
     n_stop = sum(1 for r in results if r["finish_reason"] == "stop")
-    log(STAGE, f"{len(results)} responses ({n_reason} with reasoning, {n_stop} finished, "
-        f"{len(results) - n_stop} hit max_new_tokens) -> {OUTPUT_DIR}")
+    log(
+        STAGE,
+        f"{len(results)} responses ({n_reason} with reasoning, {n_stop} finished, "
+        f"{len(results) - n_stop} hit max_new_tokens) -> {OUTPUT_DIR}",
+    )

@@ -30,7 +30,9 @@ def _prompt_files(source: Path) -> list[Path]:
     if source.is_file():
         return [source]
     if not source.is_dir():
-        raise DataError(f"{source}: prompt set not found: set prepare.prompts to a .jsonl file or dir")
+        raise DataError(
+            f"{source}: prompt set not found: set prepare.prompts to a .jsonl file or dir"
+        )
     return sorted(source.glob("*.jsonl"))
 
 
@@ -43,8 +45,10 @@ def _validate(row: object, where: str) -> dict:
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}")
     for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in _ROLES or not isinstance(
-            m.get("content"), str
+        if (
+            not isinstance(m, dict)
+            or m.get("role") not in _ROLES
+            or not isinstance(m.get("content"), str)
         ):
             raise DataError(
                 f"{where}: field 'messages' has an entry that is not "
@@ -52,8 +56,10 @@ def _validate(row: object, where: str) -> dict:
             )
     if messages[-1]["role"] != "user":
         raise DataError(f"{where}: field 'messages' must end with a user turn (id {sample_id})")
-    return {"id": sample_id, "messages": [{"role": m["role"], "content": m["content"]}
-                                          for m in messages]}
+    return {
+        "id": sample_id,
+        "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+    }
 
 
 def load_prompts(source: Path) -> list[dict]:
@@ -86,7 +92,9 @@ def run(params: Params) -> None:
     train = [r for r in rows if not is_val(r["id"], params.prepare.val_ratio)]
     val = [r for r in rows if is_val(r["id"], params.prepare.val_ratio)]
     if not train:
-        raise DataError(f"{params.prepare.prompts}: every prompt fell into val: lower prepare.val_ratio")
+        raise DataError(
+            f"{params.prepare.prompts}: every prompt fell into val: lower prepare.val_ratio"
+        )
     with atomic.replace_dir(OUTPUT_DIR) as tmp:
         atomic.write_jsonl(tmp / "train.jsonl", train)
         atomic.write_jsonl(tmp / "val.jsonl", val)

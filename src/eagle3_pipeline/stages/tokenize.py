@@ -37,8 +37,9 @@ def tokenize_row(tokenizer, row: dict, max_seq_len: int, template_kwargs: dict) 
         row["messages"], tokenize=False, add_generation_prompt=True, **template_kwargs
     )
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    completion_ids = tokenizer(completion_text(row, tokenizer.eos_token),
-                               add_special_tokens=False)["input_ids"]
+    completion_ids = tokenizer(completion_text(row, tokenizer.eos_token), add_special_tokens=False)[
+        "input_ids"
+    ]
     input_ids = (prompt_ids + completion_ids)[:max_seq_len]
     loss_mask = ([0] * len(prompt_ids) + [1] * len(completion_ids))[:max_seq_len]
     return {"id": row["id"], "split": row["split"], "input_ids": input_ids, "loss_mask": loss_mask}
@@ -72,5 +73,8 @@ def run(params: Params) -> None:
         atomic.write_json(tmp / "token_freq.json", {str(k): v for k, v in sorted(freq.items())})
     n_tok = sum(len(r["input_ids"]) for rows in out.values() for r in rows)
     n_sup = sum(sum(r["loss_mask"]) for rows in out.values() for r in rows)
-    log(STAGE, f"{len(out['train'])} train + {len(out['val'])} val rows, {n_tok:,} tokens "
-        f"({n_sup:,} supervised), {dropped} dropped without supervised tokens -> {OUTPUT_DIR}")
+    log(
+        STAGE,
+        f"{len(out['train'])} train + {len(out['val'])} val rows, {n_tok:,} tokens "
+        f"({n_sup:,} supervised), {dropped} dropped without supervised tokens -> {OUTPUT_DIR}",
+    )

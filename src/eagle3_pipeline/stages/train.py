@@ -54,10 +54,14 @@ class MetricsSink:
             if tps is not None:
                 self.live.log_metric("train/tokens_per_s", float(tps))
             if step % self.log_every == 0:
-                accs = " ".join(f"acc{k} {m.get(f'full_acc_{k}', math.nan):.3f}"
-                                for k in range(self.ttt_steps))
-                log(STAGE, f"epoch {record.get('epoch')} step {step} loss {m['loss']:.4f} "
-                    f"{accs} lr {record.get('lr', math.nan):.2e}")
+                accs = " ".join(
+                    f"acc{k} {m.get(f'full_acc_{k}', math.nan):.3f}" for k in range(self.ttt_steps)
+                )
+                log(
+                    STAGE,
+                    f"epoch {record.get('epoch')} step {step} loss {m['loss']:.4f} "
+                    f"{accs} lr {record.get('lr', math.nan):.2e}",
+                )
         if "val" in record:
             v = {k.removesuffix("_epoch"): float(x) for k, x in record["val"].items()}
             v["acceptance_length"] = simulated_tau(v, self.ttt_steps)
@@ -65,8 +69,11 @@ class MetricsSink:
                 if key != "error_records":
                     self.live.log_metric(f"val/{key}", value)
             self.last_val = v | {"epoch": record.get("epoch")}
-            log(STAGE, f"epoch {record.get('epoch')} val loss {v['loss']:.4f} "
-                f"simulated acceptance length {v['acceptance_length']:.3f}")
+            log(
+                STAGE,
+                f"epoch {record.get('epoch')} val loss {v['loss']:.4f} "
+                f"simulated acceptance length {v['acceptance_length']:.3f}",
+            )
         self.live.next_step()
 
 
@@ -80,15 +87,22 @@ def simulated_tau(val: dict[str, float], ttt_steps: int) -> float:
 
 
 def _samples(manifest: dict) -> tuple[list[sc.TrainingSample], int]:
-    rows = {split: atomic.read_jsonl(TOKENIZED_DIR / f"{split}.jsonl") for split in ("train", "val")}
+    rows = {
+        split: atomic.read_jsonl(TOKENIZED_DIR / f"{split}.jsonl") for split in ("train", "val")
+    }
     samples: list[sc.TrainingSample] = []
     for split in ("train", "val"):  # speculators validates on the LAST rows
         for r in rows[split]:
             entry = manifest["samples"].get(r["id"])
             if entry is None:
                 raise StoreError(f"{STORE_DIR}: sample {r['id']} missing: rerun extract")
-            samples.append({"input_ids": r["input_ids"], "loss_mask": r["loss_mask"],
-                            "hidden_states_file": STORE_DIR / entry["file"]})
+            samples.append(
+                {
+                    "input_ids": r["input_ids"],
+                    "loss_mask": r["loss_mask"],
+                    "hidden_states_file": STORE_DIR / entry["file"],
+                }
+            )
     return samples, len(rows["train"])
 
 
@@ -109,42 +123,66 @@ def run(params: Params) -> None:
     samples, n_train = _samples(manifest)
     draft_vocab = params.vocab.draft_vocab_size
     key = resume.fingerprint(
-        t.model_dump(exclude={"log_every_steps", "num_workers"}), aux, draft_vocab,
+        t.model_dump(exclude={"log_every_steps", "num_workers"}),
+        aux,
+        draft_vocab,
         resume.file_sha256(STORE_DIR / store.MANIFEST),
-        resume.file_sha256(VOCAB_DIR / "d2t.npy"), resume.file_sha256(TOKENIZED_DIR / "train.jsonl"),
+        resume.file_sha256(VOCAB_DIR / "d2t.npy"),
+        resume.file_sha256(TOKENIZED_DIR / "train.jsonl"),
     )
     work = resume.scratch_dir(STAGE, key)
     data_dir, save_dir = work / "data", work / "checkpoints"
     sc.write_training_data(data_dir, samples)
     if sys.stdout.isatty() is False:
         os.environ.setdefault("TQDM_DISABLE", "1")  # bars are noise in a log file
-    log(STAGE, f"{n_train} train + {len(samples) - n_train} val samples, aux {aux} + {final}, "
-        f"draft vocab {draft_vocab}, {t.epochs} epochs, checkpoints in {save_dir}")
+    log(
+        STAGE,
+        f"{n_train} train + {len(samples) - n_train} val samples, aux {aux} + {final}, "
+        f"draft vocab {draft_vocab}, {t.epochs} epochs, checkpoints in {save_dir}",
+    )
     shutil.rmtree(LIVE_DIR, ignore_errors=True)
-    with Live(dir=str(LIVE_DIR), save_dvc_exp=False, dvcyaml=None, report=None,
-              resume=False) as live:
-        live.log_params({"train": t.model_dump(), "aux_layer_ids": aux,
-                         "draft_vocab_size": draft_vocab})
+    with Live(
+        dir=str(LIVE_DIR), save_dvc_exp=False, dvcyaml=None, report=None, resume=False
+    ) as live:
+        live.log_params(
+            {"train": t.model_dump(), "aux_layer_ids": aux, "draft_vocab_size": draft_vocab}
+        )
         sink = MetricsSink(live, t.ttt_steps, t.log_every_steps)
         sc.run_training(
-            data_dir=data_dir, verifier_dir=Path(params.verifier.path), save_dir=save_dir,
-            d2t_path=VOCAB_DIR / "d2t.npy", t2d_path=VOCAB_DIR / "t2d.npy",
-            draft_vocab_size=draft_vocab, target_layer_ids=aux, epochs=t.epochs, lr=t.lr,
-            scheduler=t.scheduler, warmup_ratio=t.warmup_ratio, noise_std=t.noise_std,
-            ttt_steps=t.ttt_steps, ttt_step_loss_decay=t.ttt_step_loss_decay,
-            total_seq_len=t.max_tokens_per_batch, seed=t.seed, num_workers=t.num_workers,
+            data_dir=data_dir,
+            verifier_dir=Path(params.verifier.path),
+            save_dir=save_dir,
+            d2t_path=VOCAB_DIR / "d2t.npy",
+            t2d_path=VOCAB_DIR / "t2d.npy",
+            draft_vocab_size=draft_vocab,
+            target_layer_ids=aux,
+            epochs=t.epochs,
+            lr=t.lr,
+            scheduler=t.scheduler,
+            warmup_ratio=t.warmup_ratio,
+            noise_std=t.noise_std,
+            ttt_steps=t.ttt_steps,
+            ttt_step_loss_decay=t.ttt_step_loss_decay,
+            total_seq_len=t.max_tokens_per_batch,
+            seed=t.seed,
+            num_workers=t.num_workers,
             train_data_ratio=sc.train_data_ratio_for(n_train, len(samples)),
-            on_metrics=sink, log_every_steps=1, train_lm_head=t.train_lm_head,
+            on_metrics=sink,
+            log_every_steps=1,
+            train_lm_head=t.train_lm_head,
         )
     best = sc.best_checkpoint(save_dir)
     with atomic.replace_dir(OUTPUT_DIR) as tmp:
         _copy_checkpoint(best, tmp / "best")
         _copy_checkpoint(save_dir / str(t.epochs - 1), tmp / "final")
-        atomic.write_json(tmp / "summary.json", {"best_epoch": int(best.name),
-                                                  "epochs": t.epochs})
-    atomic.write_json(Path("metrics/train.json"), {
-        "best_epoch": int(best.name),
-        "val_at_last_epoch": {k: round(v, 6) for k, v in sink.last_val.items()
-                              if isinstance(v, float)},
-    })
+        atomic.write_json(tmp / "summary.json", {"best_epoch": int(best.name), "epochs": t.epochs})
+    atomic.write_json(
+        Path("metrics/train.json"),
+        {
+            "best_epoch": int(best.name),
+            "val_at_last_epoch": {
+                k: round(v, 6) for k, v in sink.last_val.items() if isinstance(v, float)
+            },
+        },
+    )
     log(STAGE, f"best epoch {best.name} -> {OUTPUT_DIR}/best, final -> {OUTPUT_DIR}/final")

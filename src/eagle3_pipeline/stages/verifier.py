@@ -174,8 +174,11 @@ def build_tiny(params: Params, out_dir: Path) -> dict:
     stream = _token_stream(tokenizer, texts, chats, params.seed)
     if len(stream) <= tiny.train_seq_len + 1:
         raise DataError(f"{tiny.corpus}: corpus too small for train_seq_len={tiny.train_seq_len}")
-    log(STAGE, f"training tiny verifier: {sum(p.numel() for p in model.parameters()):,} params, "
-        f"{len(stream):,} corpus tokens, {tiny.train_steps} steps")
+    log(
+        STAGE,
+        f"training tiny verifier: {sum(p.numel() for p in model.parameters()):,} params, "
+        f"{len(stream):,} corpus tokens, {tiny.train_steps} steps",
+    )
     first, last = _train(model, stream, tiny, params.seed)
     log(STAGE, f"verifier loss {first:.3f} -> {last:.3f}")
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -192,8 +195,11 @@ def run(params: Params) -> None:
         vf.check_remote_code(params, config)
         layers, hidden, vocab = vf.shape(config)
         with atomic.replace_dir(out_dir) as tmp:
-            atomic.write_json(tmp / "identity.json", vf.identity(params) | {
-                "num_hidden_layers": layers, "hidden_size": hidden, "vocab_size": vocab})
+            atomic.write_json(
+                tmp / "identity.json",
+                vf.identity(params)
+                | {"num_hidden_layers": layers, "hidden_size": hidden, "vocab_size": vocab},
+            )
         log(STAGE, f"pretrained verifier {params.verifier.path}: {layers} layers, vocab {vocab}")
         return
     if Path(params.verifier.path) != out_dir:

@@ -52,11 +52,17 @@ def run(params: Params) -> None:
     with atomic.replace_dir(OUTPUT_DIR) as tmp:
         atomic.write_bytes(tmp / "d2t.npy", _npy_bytes(d2t.numpy()))
         atomic.write_bytes(tmp / "t2d.npy", _npy_bytes(t2d.numpy()))
-    atomic.write_json(METRICS, {
-        "draft_vocab_size": draft_vocab,
-        "target_vocab_size": target_vocab,
-        "distinct_supervised_tokens": len(freq),
-        "coverage": round(coverage, 6),
-    })
-    log(STAGE, f"draft vocab {draft_vocab} of {target_vocab}: covers {coverage:.2%} of "
-        f"{total:,} supervised tokens ({len(freq)} distinct) -> {OUTPUT_DIR}")
+    atomic.write_json(
+        METRICS,
+        {
+            "draft_vocab_size": draft_vocab,
+            "target_vocab_size": target_vocab,
+            "distinct_supervised_tokens": len(freq),
+            "coverage": round(coverage, 6),
+        },
+    )
+    log(
+        STAGE,
+        f"draft vocab {draft_vocab} of {target_vocab}: covers {coverage:.2%} of "
+        f"{total:,} supervised tokens ({len(freq)} distinct) -> {OUTPUT_DIR}",
+    )

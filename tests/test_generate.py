@@ -1,0 +1,76 @@
+"""generate: reasoning split, and resume by id after a kill without redoing finished batches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle3_pipeline import atomic, resume
+from eagle3_pipeline.params import Params
+from eagle3_pipeline.stages import generate
+
+
+def test_split_reasoning() -> None:
+    assert generate.split_reasoning("I think.</think>The answer.") == ("I think.", "The answer.")
+    assert generate.split_reasoning("no end") == ("no end", "")
+    assert generate.split_reasoning("</think>") == ("", "")
+
+
+def _setup(tmp: Path, verifier: Path) -> Params:
+    rows = [
+        {"id": f"q{i:02d}", "messages": [{"role": "user", "content": f"What is {i}?"}]}
+        for i in range(10)
+    ]
+    atomic.write_jsonl(tmp / "data/prepared/train.jsonl", rows[:8])
+    atomic.write_jsonl(tmp / "data/prepared/val.jsonl", rows[8:])
+    return Params.model_validate(
+        {
+            "verifier": {"path": str(verifier)},
+            "generate": {"batch_size": 3, "max_new_tokens": 8},
+            "vocab": {"draft_vocab_size": 256},
+        }
+    )
+
+
+def test_resume_after_kill(tmp_path: Path, tiny_verifier_dir: Path, monkeypatch) -> None:
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    monkeypatch.chdir(ref_dir.mkdir() or ref_dir)
+    params = _setup(ref_dir, tiny_verifier_dir)
+    generate.run(params)
+    reference = (ref_dir / "data/generated/train.jsonl").read_text()
+
+    monkeypatch.chdir(run_dir.mkdir() or run_dir)
+    params = _setup(run_dir, tiny_verifier_dir)
+    calls = {"n": 0}
+    original_append = resume.Journal.append
+
+    def append_then_die(self, rows):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # killed while the third batch was in flight
+        original_append(self, rows)
+
+    monkeypatch.setattr(resume.Journal, "append", append_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        generate.run(params)
+    assert not (run_dir / "data/generated").exists()  # nothing half-written
+    monkeypatch.setattr(resume.Journal, "append", original_append)
+
+    generated_batches = []
+    original_gen = generate._generate_hf
+    monkeypatch.setattr(
+        generate,
+        "_generate_hf",
+        lambda p, batches, j, pr: (
+            generated_batches.extend(batches),
+            original_gen(p, batches, j, pr),
+        )[1],
+    )
+    generate.run(params)
+    assert len(generated_batches) == 2  # 4 batches of 3, 2 finished before the kill
+    assert (run_dir / "data/generated/train.jsonl").read_text() == reference
+    rows = [json.loads(x) for x in reference.splitlines()]
+    assert {r["id"] for r in rows} == {f"q{i:02d}" for i in range(8)}
+    assert all(set(r) >= {"reasoning", "content", "finish_reason", "messages"} for r in rows)
