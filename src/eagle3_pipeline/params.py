@@ -75,8 +75,18 @@ class PrepareParams(_Strict):
     max_prompts: int | None = Field(None, ge=1)
 
 
+class VllmParams(_Strict):
+    """How vLLM is started wherever a stage uses it (server or in-process engine)."""
+
+    max_model_len: int = Field(2048, ge=64)
+    enforce_eager: bool = True
+    tensor_parallel_size: int = Field(1, ge=1)
+    ready_timeout_s: float = Field(600.0, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+
+
 class GenerateParams(_Strict):
-    backend: Literal["hf"] = "hf"
+    backend: Literal["hf", "vllm"] = "hf"
     server_url: str | None = None
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0)
@@ -85,10 +95,8 @@ class GenerateParams(_Strict):
     concurrency: int = Field(8, ge=1)
     reasoning_parser: str | None = "deepseek_r1"
     chat_template_kwargs: dict[str, Any] = Field(default_factory=lambda: {"thinking": True})
-    tensor_parallel_size: int = Field(1, ge=1)
     max_retries: int = Field(4, ge=0)
     request_timeout_s: float = Field(300.0, gt=0)
-    server_ready_timeout_s: float = Field(600.0, gt=0)
 
 
 class TokenizeParams(_Strict):
@@ -96,10 +104,9 @@ class TokenizeParams(_Strict):
 
 
 class ExtractParams(_Strict):
-    backend: Literal["hf"] = "hf"
+    backend: Literal["hf", "vllm"] = "hf"
     max_tokens_per_batch: int = Field(4096, ge=1)
-    store_dtype: Literal["bf16", "fp8"] = "bf16"
-    tensor_parallel_size: int = Field(1, ge=1)
+    store_dtype: Literal["bf16"] = "bf16"
 
 
 class VocabParams(_Strict):
@@ -141,6 +148,7 @@ class Params(_Strict):
     profile: str = "tiny-llama"
     seed: int = 0
     verifier: VerifierParams = Field(default_factory=VerifierParams)
+    vllm: VllmParams = Field(default_factory=VllmParams)
     layers: LayersParams = Field(default_factory=LayersParams)
     prepare: PrepareParams = Field(default_factory=PrepareParams)
     generate: GenerateParams = Field(default_factory=GenerateParams)

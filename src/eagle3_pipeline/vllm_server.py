@@ -1,0 +1,175 @@
+"""Start, wait for and always stop a vLLM OpenAI-compatible server.
+
+The server runs in its own process group on loopback with a free port, logs to a file, and is
+stopped (SIGTERM, then SIGKILL) and reaped when the `with` block ends for any reason, including
+Ctrl-C and SIGTERM sent to the stage: no server is ever left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from eagle3_pipeline.errors import ServerError
+from eagle3_pipeline.progress import log
+
+
+@dataclass
+class ServerSpec:
+    """What to serve and how; `extra_args` are passed to vLLM verbatim."""
+
+    model: str
+    log_file: Path
+    max_model_len: int = 2048
+    enforce_eager: bool = True
+    tensor_parallel_size: int = 1
+    reasoning_parser: str | None = None
+    speculative_config: dict[str, Any] | None = None
+    served_model_name: str = "verifier"
+    trust_remote_code: bool = False
+    ready_timeout_s: float = 600.0
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Offline, workspace-local caches, a small KV cache on CPU."""
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CACHE_ROOT", os.path.abspath("data/.work/vllm-cache"))
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    env.update(extra or {})
+    return env
+
+
+def command(spec: ServerSpec, port: int) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", spec.model,
+        "--served-model-name", spec.served_model_name,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--max-model-len", str(spec.max_model_len),
+        "--tensor-parallel-size", str(spec.tensor_parallel_size),
+        "--disable-uvicorn-access-log",
+    ]
+    if spec.enforce_eager:
+        cmd.append("--enforce-eager")
+    if spec.reasoning_parser:
+        cmd += ["--reasoning-parser", spec.reasoning_parser]
+    if spec.speculative_config:
+        cmd += ["--speculative-config", json.dumps(spec.speculative_config)]
+    if spec.trust_remote_code:
+        cmd.append("--trust-remote-code")
+    return cmd + list(spec.extra_args)
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM the whole process group (vLLM forks workers), then SIGKILL, and reap."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    # Workers that outlived the leader are still in the group.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _tail(path: Path, n: int = 5) -> str:
+    try:
+        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    return " | ".join(lines[-n:])
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None, spec: ServerSpec) -> None:
+    deadline = time.monotonic() + spec.ready_timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise ServerError(
+                f"vLLM server exited with code {proc.returncode} before it was ready; see "
+                f"{spec.log_file} (last lines: {_tail(spec.log_file)})"
+            )
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(1.0)
+    raise ServerError(
+        f"vLLM server not ready after {spec.ready_timeout_s:.0f} s; see {spec.log_file} "
+        "(raise generate.server_ready_timeout_s if the model is just slow to load)"
+    )
+
+
+@contextlib.contextmanager
+def serve(spec: ServerSpec) -> Iterator[str]:
+    """Yield the base URL (http://127.0.0.1:PORT) of a ready server; always stop it after."""
+    port = free_port()
+    spec.log_file.parent.mkdir(parents=True, exist_ok=True)
+    cmd = command(spec, port)
+    with open(spec.log_file, "w") as logf:
+        logf.write("$ " + " ".join(cmd) + "\n")
+        logf.flush()
+        proc = subprocess.Popen(
+            cmd, stdout=logf, stderr=subprocess.STDOUT, env=server_env(spec.env),
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):  # a killed stage must not orphan its server
+        raise KeyboardInterrupt
+
+    if previous in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, on_term)
+    try:
+        t0 = time.monotonic()
+        log("vllm", f"starting server for {spec.model} on {url} (log: {spec.log_file})")
+        wait_ready(url, proc, spec)
+        log("vllm", f"server ready in {time.monotonic() - t0:.0f} s")
+        yield url
+    finally:
+        _stop(proc)
+        if previous in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Prometheus counters of /metrics, summed over label sets, keyed by name{labels}."""
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
