@@ -14,9 +14,13 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export DVC_NO_ANALYTICS := 1
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: venv train repro profile test test-fast lint status metrics plots clean-work
+.PHONY: venv train repro profile test test-fast lint status metrics plots push pull docker-build docker-train clean-work
 
+ifdef SKIP_VENV
+venv:  # the container's environment is already installed (Dockerfile)
+else
 venv: $(STAMP)
+endif
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -55,6 +59,26 @@ metrics: venv
 
 plots: venv
 	$(BIN)/dvc plots show
+
+push: venv
+	$(BIN)/dvc push
+
+pull: venv
+	$(BIN)/dvc pull $(TARGETS)
+
+IMAGE ?= eagle3-pipeline:0.1.0
+HF_CACHE ?= $(HOME)/.cache/huggingface
+DOCKER_RUN = docker run --rm --gpus all --ipc=host -u $$(id -u):$$(id -g) \
+	-v $(CURDIR):/work -v $(HF_CACHE):/cache/huggingface \
+	-e AWS_ACCESS_KEY_ID -e AWS_SECRET_ACCESS_KEY -e AWS_SESSION_TOKEN -e AWS_ENDPOINT_URL \
+	$(IMAGE)
+
+docker-build:
+	docker build -t $(IMAGE) .
+
+# The repo (with its .dvc/cache) and the HF cache are mounted; credentials pass by name only.
+docker-train:
+	$(DOCKER_RUN) train PROFILE=$(PROFILE)
 
 clean-work:
 	rm -rf data/.work

@@ -14,8 +14,9 @@ import yaml
 pytestmark = pytest.mark.slow
 
 SMALL = {
-    "verifier": {"tiny": {"train_steps": 60, "vocab_size": 1024, "hidden_size": 64,
-                          "intermediate_size": 128}},
+    "verifier": {
+        "tiny": {"train_steps": 60, "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128}
+    },
     "prepare": {"max_prompts": 60, "val_ratio": 0.2},
     "generate": {"max_new_tokens": 32},
     "tokenize": {"max_seq_len": 128},
@@ -48,8 +49,9 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.conftest import REPO
 
     repo = tmp_path_factory.mktemp("e2e") / "repo"
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
-                           check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     for f in files:
         (repo / f).parent.mkdir(parents=True, exist_ok=True)
         (repo / f).write_bytes((REPO / f).read_bytes())
@@ -81,11 +83,13 @@ def test_store_shapes_and_layer_ids(pipeline: Path) -> None:
 
 
 def test_generated_and_tokenized(pipeline: Path) -> None:
-    rows = [json.loads(x) for x in
-            (pipeline / "data/generated/train.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(x) for x in (pipeline / "data/generated/train.jsonl").read_text().splitlines()
+    ]
     assert rows and all(r["reasoning"] is not None for r in rows)
-    tok = [json.loads(x) for x in
-           (pipeline / "data/tokenized/train.jsonl").read_text().splitlines()]
+    tok = [
+        json.loads(x) for x in (pipeline / "data/tokenized/train.jsonl").read_text().splitlines()
+    ]
     assert all(len(r["input_ids"]) == len(r["loss_mask"]) <= 128 for r in tok)
     assert all(0 < sum(r["loss_mask"]) < len(r["loss_mask"]) for r in tok)
 
@@ -128,8 +132,11 @@ def test_second_repro_is_noop_and_deps_are_per_stage(pipeline: Path) -> None:
         assert "train" in status
         assert not {"verifier", "prepare", "generate", "tokenize", "extract", "vocab"} & set(status)
         dry = _run(pipeline, "dvc", "repro", "--dry", "--force-downstream")
-        ran = {s for s in ("extract", "train", "export", "evaluate") if f"stage '{s}'" in dry
-               and f"Running stage '{s}'" in dry}
+        ran = {
+            s
+            for s in ("extract", "train", "export", "evaluate")
+            if f"stage '{s}'" in dry and f"Running stage '{s}'" in dry
+        }
         assert ran == {"train", "export", "evaluate"}
     finally:
         train_py.write_text(original)

@@ -11,8 +11,12 @@ import importlib
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from eagle3_pipeline.errors import PipelineError
+
+if TYPE_CHECKING:
+    from eagle3_pipeline.params import Params
 
 STAGES: dict[str, str] = {
     "verifier": "build the tiny verifier (tiny profiles) or record the real one's identity",
@@ -48,7 +52,45 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
         p.add_argument("--debug", action="store_true", help="show tracebacks")
+    _add_plan_parser(sub)
     return parser
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    """`plan` is not a stage: it reads config files only and changes nothing."""
+    help_text = (
+        "check layer ids, vocab, init checkpoint and custom code against the verifier's config, "
+        "and estimate parameters, store size, checkpoints and steps, before any GPU hour"
+    )
+    p = sub.add_parser("plan", help=help_text, description=help_text)
+    p.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
+    p.add_argument(
+        "--verifier-config",
+        metavar="PATH",
+        help="verifier config.json or its directory (default: verifier.path)",
+    )
+    p.add_argument(
+        "--init-config",
+        metavar="PATH",
+        help="init drafter config.json or its directory (default: train.init_from)",
+    )
+    p.add_argument("--tokens", type=int, metavar="N", help="tokens in the store (overrides)")
+    p.add_argument("--prompts", type=int, metavar="N", help="number of prompts (overrides)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _run_plan(args: argparse.Namespace, params: Params) -> None:
+    from eagle3_pipeline import plan
+
+    result = plan.make_plan(
+        params,
+        params_path=args.params,
+        verifier_config=args.verifier_config,
+        init_config=args.init_config,
+        tokens=args.tokens,
+        prompts=args.prompts,
+    )
+    print(plan.render(result), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         from eagle3_pipeline.params import load_params
 
         params = load_params(args.params)
+        if args.stage == "plan":
+            _run_plan(args, params)
+            return 0
         module = importlib.import_module(f"eagle3_pipeline.stages.{args.stage}")
         t0 = time.monotonic()
         module.run(params)

@@ -122,13 +122,10 @@ class TrainParams(_Strict):
     ttt_steps: int = Field(3, ge=1)
     ttt_step_loss_decay: float = Field(1.0, gt=0.0)
     max_tokens_per_batch: int = Field(2048, ge=8)
-    grad_accumulation: int = Field(1, ge=1)
     num_workers: int = Field(0, ge=0)
     seed: int = 0
     init_from: str | None = None
     train_lm_head: bool = True
-    keep_last: int = Field(2, ge=1)
-    nproc: int = Field(1, ge=1)
     log_every_steps: int = Field(10, ge=1)
 
 

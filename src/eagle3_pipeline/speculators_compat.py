@@ -257,11 +257,8 @@ def run_training(
     `train_lm_head` un-freezes the draft lm_head, which speculators always freezes.
     Raises TrainingInterrupted when a signal stopped the run (rerunning resumes).
     """
-    if noise_std != 0.0:
-        raise ValueError(
-            f"noise_std={noise_std}: speculators {PINNED_SPECULATORS} has no hidden-state noise "
-            "augmentation; set train.noise_std to 0"
-        )
+    if noise_std < 0:
+        raise ValueError(f"noise_std={noise_std} must be >= 0")
     _check_layer_count(data_dir, target_layer_ids)
     apply_cpu_shims()
     from speculators.train.cli import main
@@ -318,7 +315,10 @@ def run_training(
         # before a later handler sees it. Logger filters survive and run first.
         metrics_logger.addFilter(tap)
     try:
-        with _lm_head_trainable() if train_lm_head else contextlib.nullcontext():
+        with (
+            _lm_head_trainable() if train_lm_head else contextlib.nullcontext(),
+            _hidden_state_noise(noise_std) if noise_std > 0 else contextlib.nullcontext(),
+        ):
             main(cfg)
     finally:
         if tap is not None:
@@ -412,3 +412,28 @@ def _lm_head_trainable() -> Iterator[None]:
         yield
     finally:
         Eagle3DraftModel.load_verifier_weights = original
+
+
+@contextlib.contextmanager
+def _hidden_state_noise(std: float) -> Iterator[None]:
+    """Gaussian noise on the verifier features fed to the drafter, in training steps only.
+
+    speculators 0.9.0 has no such option. Noise makes the drafter robust to the small
+    differences between the stored features and the server's (bf16, other kernels, fp8 store).
+    Scoped to one `main()` call; validation (model.eval()) sees clean features. The noise comes
+    from torch's global RNG, which speculators seeds, so runs stay reproducible.
+    """
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
+    original = Eagle3DraftModel.forward
+
+    def noisy_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.training:
+            hidden_states = hidden_states + torch.randn_like(hidden_states) * std
+        return original(self, hidden_states, *args, **kwargs)
+
+    Eagle3DraftModel.forward = noisy_forward
+    try:
+        yield
+    finally:
+        Eagle3DraftModel.forward = original

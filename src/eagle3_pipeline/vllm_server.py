@@ -2,7 +2,9 @@
 
 The server runs in its own process group on loopback with a free port, logs to a file, and is
 stopped (SIGTERM, then SIGKILL) and reaped when the `with` block ends for any reason, including
-Ctrl-C and SIGTERM sent to the stage: no server is ever left behind.
+Ctrl-C and SIGTERM sent to the stage. A SIGKILLed stage runs no cleanup at all, so the server is
+started under a small watchdog (`python -m eagle3_pipeline.vllm_server --watch -- CMD`) that kills
+the group when its stdin, a pipe only the stage holds, closes: no server is ever left behind.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -64,13 +67,21 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def command(spec: ServerSpec, port: int) -> list[str]:
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", spec.model,
-        "--served-model-name", spec.served_model_name,
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--max-model-len", str(spec.max_model_len),
-        "--tensor-parallel-size", str(spec.tensor_parallel_size),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        spec.model,
+        "--served-model-name",
+        spec.served_model_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--tensor-parallel-size",
+        str(spec.tensor_parallel_size),
         "--disable-uvicorn-access-log",
     ]
     if spec.enforce_eager:
@@ -84,21 +95,47 @@ def command(spec: ServerSpec, port: int) -> list[str]:
     return cmd + list(spec.extra_args)
 
 
+def watched(cmd: list[str]) -> list[str]:
+    """`cmd` run under the watchdog of `_watch` (see the module docstring)."""
+    return [sys.executable, "-m", "eagle3_pipeline.vllm_server", "--watch", "--", *cmd]
+
+
+def _kill_group_on_eof(child: subprocess.Popen, grace_s: float = 20.0) -> None:
+    sys.stdin.buffer.read()  # returns at EOF only: the stage holding the other end is gone
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(0, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        child.wait(timeout=grace_s)
+    os.killpg(0, signal.SIGKILL)  # the rest of the group, this watchdog included
+
+
+def _watch(cmd: list[str]) -> int:
+    """Run `cmd` in this process group; kill the group when stdin closes. Exit with its code."""
+    # A handler, not SIG_IGN: ignored signals stay ignored across exec, handlers do not. The
+    # group's SIGTERM is meant for vLLM; this process exits when vLLM does.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    threading.Thread(target=_kill_group_on_eof, args=(child,), daemon=True).start()
+    code = child.wait()
+    return code if code >= 0 else 128 - code  # killed by signal N: exit 128+N, as a shell says
+
+
 def _stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
     """SIGTERM the whole process group (vLLM forks workers), then SIGKILL, and reap."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
+    if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     # Workers that outlived the leader are still in the group.
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+    if proc.stdin is not None:
+        proc.stdin.close()
 
 
 def _tail(path: Path, n: int = 5) -> str:
@@ -123,7 +160,7 @@ def wait_ready(url: str, proc: subprocess.Popen | None, spec: ServerSpec) -> Non
         time.sleep(1.0)
     raise ServerError(
         f"vLLM server not ready after {spec.ready_timeout_s:.0f} s; see {spec.log_file} "
-        "(raise generate.server_ready_timeout_s if the model is just slow to load)"
+        "(raise vllm.ready_timeout_s in params.yaml if the model is just slow to load)"
     )
 
 
@@ -137,7 +174,11 @@ def serve(spec: ServerSpec) -> Iterator[str]:
         logf.write("$ " + " ".join(cmd) + "\n")
         logf.flush()
         proc = subprocess.Popen(
-            cmd, stdout=logf, stderr=subprocess.STDOUT, env=server_env(spec.env),
+            watched(cmd),
+            stdin=subprocess.PIPE,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=server_env(spec.env),
             start_new_session=True,
         )
     url = f"http://127.0.0.1:{port}"
@@ -173,3 +214,9 @@ def metrics(url: str) -> dict[str, float]:
         except ValueError:
             continue
     return out
+
+
+if __name__ == "__main__":
+    if sys.argv[1:3] != ["--watch", "--"] or len(sys.argv) < 4:
+        sys.exit("usage: python -m eagle3_pipeline.vllm_server --watch -- CMD [ARGS...]")
+    sys.exit(_watch(sys.argv[3:]))

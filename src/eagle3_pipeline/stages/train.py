@@ -8,6 +8,7 @@ as plain lines, to stdout so a log file shows the loss.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -18,7 +19,7 @@ from typing import Any
 from eagle3_pipeline import atomic, resume, store
 from eagle3_pipeline import speculators_compat as sc
 from eagle3_pipeline import verifier as vf
-from eagle3_pipeline.errors import StoreError
+from eagle3_pipeline.errors import ParamsError, StoreError
 from eagle3_pipeline.layers import resolve_layer_ids
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
@@ -39,7 +40,6 @@ class MetricsSink:
         self.live = live
         self.ttt_steps = ttt_steps
         self.log_every = log_every_steps
-        self.last_val: dict[str, float] = {}
 
     def __call__(self, record: dict[str, Any], step: int) -> None:
         self.live.step = step
@@ -68,7 +68,6 @@ class MetricsSink:
             for key, value in v.items():
                 if key != "error_records":
                     self.live.log_metric(f"val/{key}", value)
-            self.last_val = v | {"epoch": record.get("epoch")}
             log(
                 STAGE,
                 f"epoch {record.get('epoch')} val loss {v['loss']:.4f} "
@@ -116,6 +115,11 @@ def run(params: Params) -> None:
     from dvclive import Live
 
     t = params.train
+    if t.init_from:
+        raise ParamsError(
+            f"params.yaml: train.init_from={t.init_from}: initialising from a published drafter "
+            "is not supported yet; remove train.init_from to train from scratch"
+        )
     n_layers, _, _ = vf.shape(vf.read_config(params.verifier.path))
     aux, final = resolve_layer_ids(params.layers, n_layers)
     manifest = store.read_manifest(STORE_DIR)
@@ -140,9 +144,10 @@ def run(params: Params) -> None:
         f"{n_train} train + {len(samples) - n_train} val samples, aux {aux} + {final}, "
         f"draft vocab {draft_vocab}, {t.epochs} epochs, checkpoints in {save_dir}",
     )
-    shutil.rmtree(LIVE_DIR, ignore_errors=True)
+    # DVCLive history lives beside the checkpoints, so a resumed run keeps the earlier curves.
+    live_dir = work / "live"
     with Live(
-        dir=str(LIVE_DIR), save_dvc_exp=False, dvcyaml=None, report=None, resume=False
+        dir=str(live_dir), save_dvc_exp=False, dvcyaml=None, report=None, resume=save_dir.exists()
     ) as live:
         live.log_params(
             {"train": t.model_dump(), "aux_layer_ids": aux, "draft_vocab_size": draft_vocab}
@@ -171,6 +176,9 @@ def run(params: Params) -> None:
             log_every_steps=1,
             train_lm_head=t.train_lm_head,
         )
+    summary = json.loads((live_dir / "metrics.json").read_text())
+    shutil.rmtree(LIVE_DIR, ignore_errors=True)
+    shutil.copytree(live_dir, LIVE_DIR)
     best = sc.best_checkpoint(save_dir)
     with atomic.replace_dir(OUTPUT_DIR) as tmp:
         _copy_checkpoint(best, tmp / "best")
@@ -180,9 +188,7 @@ def run(params: Params) -> None:
         Path("metrics/train.json"),
         {
             "best_epoch": int(best.name),
-            "val_at_last_epoch": {
-                k: round(v, 6) for k, v in sink.last_val.items() if isinstance(v, float)
-            },
+            "val_at_last_epoch": {k: round(v, 6) for k, v in summary.get("val", {}).items()},
         },
     )
     log(STAGE, f"best epoch {best.name} -> {OUTPUT_DIR}/best, final -> {OUTPUT_DIR}/final")

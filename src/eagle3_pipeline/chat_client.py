@@ -1,0 +1,204 @@
+"""Chat completions against an OpenAI-compatible server (vLLM), concurrent and retried.
+
+Transient failures (connection errors, timeouts, 5xx) are retried with exponential backoff: a
+server under load or restarting should not cost rows. A 4xx is the request's own fault (prompt
+too long, bad parameter) and would fail again, so it is never retried. A request that still fails
+becomes an `Outcome` with a one-line reason instead of an exception, so one bad row never stops
+a run of thousands. Results come back on the caller's thread, where journaling is safe.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+
+from eagle3_pipeline.errors import ServerError
+from eagle3_pipeline.progress import log
+
+CONNECT_TIMEOUT_S = 10.0
+
+
+class RequestFailed(Exception):
+    """A request that failed for good; the message is the reason kept in the sidecar."""
+
+
+@dataclass(frozen=True)
+class ChatReply:
+    reasoning: str | None
+    content: str
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of one job: a reply, or the reason it failed."""
+
+    id: str
+    reply: ChatReply | None = None
+    error: str | None = None
+
+
+def parse_reply(response: dict[str, Any]) -> ChatReply:
+    """The first choice; reasoning from `reasoning` (vLLM >= 0.10) or `reasoning_content`."""
+    try:
+        choice = response["choices"][0]
+        message = choice["message"]
+    except (KeyError, IndexError, TypeError):
+        raise RequestFailed(f"malformed response: {str(response)[:200]}") from None
+    reasoning = message.get("reasoning")
+    if reasoning is None:
+        reasoning = message.get("reasoning_content")
+    return ChatReply(
+        reasoning=reasoning,
+        content=message.get("content") or "",
+        finish_reason=choice.get("finish_reason") or "unknown",
+    )
+
+
+def _error_text(resp: requests.Response) -> str:
+    """The server's own message (OpenAI error JSON) or the start of the body."""
+    try:
+        err = resp.json().get("error", {})
+        text = err.get("message") if isinstance(err, dict) else str(err)
+    except (ValueError, AttributeError):
+        text = None
+    return " ".join((text or resp.text or resp.reason or "").split())[:300]
+
+
+class ChatClient:
+    """POSTs to one server with retries; safe to share between threads (a session per thread)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 300.0,
+        max_retries: int = 4,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        stage: str = "chat",
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.stage = stage
+        self.cancelled = threading.Event()
+        self.retries = 0
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def _session(self) -> requests.Session:
+        if not hasattr(self._local, "session"):
+            self._local.session = requests.Session()
+        return self._local.session
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait before retry number `attempt` (0-based): doubling, capped."""
+        return min(self.backoff_s * 2**attempt, self.max_backoff_s)
+
+    def _attempt(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+        """(json, "") on success, (None, reason) on a retryable failure; 4xx raise at once."""
+        try:
+            resp = self._session().post(
+                self.base_url + path, json=body, timeout=(CONNECT_TIMEOUT_S, self.timeout_s)
+            )
+        except requests.Timeout:
+            return None, f"timed out after {self.timeout_s:.0f} s"
+        except requests.ConnectionError as exc:
+            return None, f"connection error: {' '.join(str(exc).split())[:200]}"
+        if 400 <= resp.status_code < 500:
+            raise RequestFailed(f"HTTP {resp.status_code}: {_error_text(resp)}")
+        if resp.status_code >= 500:
+            return None, f"HTTP {resp.status_code}: {_error_text(resp)}"
+        try:
+            return resp.json(), ""
+        except ValueError:
+            return None, f"invalid JSON in HTTP {resp.status_code} response"
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The JSON answer to one POST, retried; raises RequestFailed with the last reason."""
+        for attempt in range(self.max_retries + 1):
+            if self.cancelled.is_set():
+                raise RequestFailed("cancelled")
+            data, reason = self._attempt(path, body)
+            if data is not None:
+                return data
+            if attempt == self.max_retries:
+                break
+            delay = self.backoff(attempt)
+            with self._lock:
+                self.retries += 1
+            log(self.stage, f"retry {attempt + 1}/{self.max_retries} in {delay:.1f} s: {reason}")
+            if self.cancelled.wait(delay):
+                raise RequestFailed("cancelled")
+        raise RequestFailed(f"{reason} (gave up after {self.max_retries + 1} attempts)")
+
+    def chat(self, body: dict[str, Any]) -> ChatReply:
+        return parse_reply(self.post("/v1/chat/completions", body))
+
+    def served_model(self, preferred: str) -> str:
+        """`preferred` if the server serves it, else its only model; a clear error otherwise."""
+        try:
+            resp = self._session().get(f"{self.base_url}/v1/models", timeout=CONNECT_TIMEOUT_S)
+            resp.raise_for_status()
+            ids = [m["id"] for m in resp.json()["data"]]
+        except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
+            raise ServerError(
+                f"{self.base_url}/v1/models: no answer from the server ({type(exc).__name__}): "
+                "check generate.server_url and that the server is up"
+            ) from None
+        if preferred in ids:
+            return preferred
+        if len(ids) == 1:
+            return ids[0]
+        raise ServerError(
+            f"{self.base_url} serves {ids}, not '{preferred}': serve the verifier as "
+            f"--served-model-name {preferred}"
+        )
+
+
+def _worker(client: ChatClient, jobs: queue.Queue, results: queue.Queue) -> None:
+    while not client.cancelled.is_set():
+        try:
+            job_id, body = jobs.get_nowait()
+        except queue.Empty:
+            return
+        try:
+            results.put(Outcome(job_id, reply=client.chat(body)))
+        except RequestFailed as exc:
+            results.put(Outcome(job_id, error=str(exc)))
+        except BaseException as exc:  # a bug, not a failed row: re-raised on the caller's thread
+            results.put(exc)
+
+
+def complete_all(
+    client: ChatClient,
+    jobs: list[tuple[str, dict[str, Any]]],
+    concurrency: int,
+    on_outcome: Callable[[Outcome], None],
+) -> None:
+    """Send every (id, body) with `concurrency` requests in flight; call `on_outcome` per job.
+
+    Workers are daemon threads and the client is cancelled on any exit (Ctrl-C included), so an
+    interrupted run neither waits for requests in flight nor retries against a stopped server.
+    """
+    todo: queue.Queue = queue.Queue()
+    for job in jobs:
+        todo.put(job)
+    results: queue.Queue = queue.Queue()
+    for _ in range(min(concurrency, len(jobs))):
+        threading.Thread(target=_worker, args=(client, todo, results), daemon=True).start()
+    try:
+        for _ in range(len(jobs)):
+            item = results.get()
+            if isinstance(item, BaseException):
+                raise item
+            on_outcome(item)
+    finally:
+        client.cancelled.set()
