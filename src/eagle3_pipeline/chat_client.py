@@ -21,10 +21,19 @@ from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.progress import log
 
 CONNECT_TIMEOUT_S = 10.0
+_log_lock = threading.Lock()  # one retry line at a time: print() writes text and newline apart
 
 
 class RequestFailed(Exception):
-    """A request that failed for good; the message is the reason kept in the sidecar."""
+    """A request that failed for good; the message is the reason kept in the sidecar.
+
+    `transient`: it failed the retryable way (no answer, 5xx) every time, which hints that the
+    server itself is gone, rather than being refused (4xx).
+    """
+
+    def __init__(self, reason: str, transient: bool = False) -> None:
+        super().__init__(reason)
+        self.transient = transient
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,7 @@ class Outcome:
     id: str
     reply: ChatReply | None = None
     error: str | None = None
+    transient: bool = False
 
 
 def parse_reply(response: dict[str, Any]) -> ChatReply:
@@ -58,6 +68,17 @@ def parse_reply(response: dict[str, Any]) -> ChatReply:
         content=message.get("content") or "",
         finish_reason=choice.get("finish_reason") or "unknown",
     )
+
+
+def _root_cause(exc: BaseException) -> str:
+    """`ConnectionRefusedError: [Errno 111] Connection refused`, not requests' nested repr."""
+    while True:
+        inner = getattr(exc, "reason", None) or exc.__cause__ or exc.__context__
+        if inner is None and exc.args and isinstance(exc.args[-1], BaseException):
+            inner = exc.args[-1]
+        if not isinstance(inner, BaseException) or inner is exc:
+            return f"{type(exc).__name__}: {exc}"
+        exc = inner
 
 
 def _error_text(resp: requests.Response) -> str:
@@ -111,7 +132,7 @@ class ChatClient:
         except requests.Timeout:
             return None, f"timed out after {self.timeout_s:.0f} s"
         except requests.ConnectionError as exc:
-            return None, f"connection error: {' '.join(str(exc).split())[:200]}"
+            return None, f"connection error: {' '.join(_root_cause(exc).split())[:200]}"
         if 400 <= resp.status_code < 500:
             raise RequestFailed(f"HTTP {resp.status_code}: {_error_text(resp)}")
         if resp.status_code >= 500:
@@ -134,13 +155,26 @@ class ChatClient:
             delay = self.backoff(attempt)
             with self._lock:
                 self.retries += 1
-            log(self.stage, f"retry {attempt + 1}/{self.max_retries} in {delay:.1f} s: {reason}")
+            with _log_lock:
+                log(
+                    self.stage, f"retry {attempt + 1}/{self.max_retries} in {delay:.1f} s: {reason}"
+                )
             if self.cancelled.wait(delay):
                 raise RequestFailed("cancelled")
-        raise RequestFailed(f"{reason} (gave up after {self.max_retries + 1} attempts)")
+        raise RequestFailed(
+            f"{reason} (gave up after {self.max_retries + 1} attempts)", transient=True
+        )
 
     def chat(self, body: dict[str, Any]) -> ChatReply:
         return parse_reply(self.post("/v1/chat/completions", body))
+
+    def answers(self) -> bool:
+        """Whether the server still answers at all (GET /v1/models, any OpenAI server has it)."""
+        try:
+            url = f"{self.base_url}/v1/models"
+            return self._session().get(url, timeout=CONNECT_TIMEOUT_S).status_code == 200
+        except requests.RequestException:
+            return False
 
     def served_model(self, preferred: str) -> str:
         """`preferred` if the server serves it, else its only model; a clear error otherwise."""
@@ -172,7 +206,7 @@ def _worker(client: ChatClient, jobs: queue.Queue, results: queue.Queue) -> None
         try:
             results.put(Outcome(job_id, reply=client.chat(body)))
         except RequestFailed as exc:
-            results.put(Outcome(job_id, error=str(exc)))
+            results.put(Outcome(job_id, error=str(exc), transient=exc.transient))
         except BaseException as exc:  # a bug, not a failed row: re-raised on the caller's thread
             results.put(exc)
 

@@ -37,6 +37,7 @@ class Settings:
     concurrency: int = 1
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     request_timeout_s: float = 600.0
+    served_model_name: str = "verifier"
 
 
 @dataclass
@@ -45,12 +46,13 @@ class RunResult:
 
     token_ids: list[list[int]]
     texts: list[str]
+    num_tokens: list[int]
     wall_s: float
     counters: dict[str, float]
 
     @property
     def output_tokens(self) -> int:
-        return sum(len(t) for t in self.token_ids)
+        return sum(self.num_tokens)
 
     @property
     def tokens_per_s(self) -> float:
@@ -112,13 +114,27 @@ def acceptance(counts: dict[str, float], k: int) -> dict[str, Any]:
     }
 
 
-def settled_metrics(url: str, timeout_s: float = 10.0) -> dict[str, float]:
-    """/metrics once two reads agree: the last step's stats may land just after the response."""
-    last = metrics(url)
+def read_counters(url: str, k: int) -> dict[str, float]:
+    """Spec-decode counters plus generated tokens; a /metrics failure is one ServerError line."""
+    try:
+        values = metrics(url)
+    except requests.RequestException as exc:
+        raise ServerError(f"{url}/metrics: not readable: {exc}") from None
+    out = spec_counters(values, k)
+    out["generation_tokens"] = counter(values, "vllm:generation_tokens_total")
+    out["spec_decode_enabled"] = float(
+        any(split_key(key)[0] == f"{SPEC_PREFIX}num_drafts_total" for key in values)
+    )
+    return out
+
+
+def settled_counters(url: str, k: int, timeout_s: float = 10.0) -> dict[str, float]:
+    """Counters once two reads agree: the last step's stats may land just after the response."""
+    last = read_counters(url, k)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         time.sleep(0.5)
-        now = metrics(url)
+        now = read_counters(url, k)
         if now == last:
             return now
         last = now
@@ -131,7 +147,7 @@ def settled_metrics(url: str, timeout_s: float = 10.0) -> dict[str, float]:
 def chat_payload(messages: Messages, settings: Settings, max_tokens: int | None = None) -> dict:
     """Greedy chat request; special tokens kept and token ids returned so outputs compare fully."""
     return {
-        "model": "verifier",
+        "model": settings.served_model_name,
         "messages": messages,
         "temperature": 0.0,
         "max_tokens": max_tokens or settings.max_new_tokens,
@@ -141,32 +157,34 @@ def chat_payload(messages: Messages, settings: Settings, max_tokens: int | None 
     }
 
 
-def complete(url: str, payload: dict, timeout_s: float) -> tuple[list[int], str]:
-    """(output token ids, text) of one chat completion; any failure is one ServerError line."""
+Completion = tuple[list[int], str, int]
+
+
+def complete(url: str, payload: dict, timeout_s: float) -> Completion:
+    """(token ids, text, token count) of one chat completion; a failure is one ServerError line."""
     try:
         resp = requests.post(f"{url}/v1/chat/completions", json=payload, timeout=timeout_s)
     except requests.RequestException as exc:
         raise ServerError(f"{url}: chat completion failed: {exc}") from None
     if resp.status_code != 200:
         raise ServerError(f"{url}: chat completion HTTP {resp.status_code}: {resp.text[:300]}")
-    choice = resp.json()["choices"][0]
+    body = resp.json()
+    choice = body["choices"][0]
     message = choice["message"]
-    text = (message.get("reasoning") or message.get("reasoning_content") or "") + (
-        message.get("content") or ""
-    )
-    return list(choice.get("token_ids") or []), text
+    reasoning = message.get("reasoning") or message.get("reasoning_content") or ""
+    text = reasoning + (message.get("content") or "")
+    return list(choice.get("token_ids") or []), text, int(body["usage"]["completion_tokens"])
 
 
 def run_prompts(
     url: str, conversations: Sequence[Messages], settings: Settings
-) -> tuple[list[list[int]], list[str], float]:
-    """Send all prompts, `concurrency` at a time; (token ids, texts, wall seconds), in order."""
+) -> tuple[list[Completion], float]:
+    """Send all prompts, `concurrency` at a time; (completions in order, wall seconds)."""
     payloads = [chat_payload(m, settings) for m in conversations]
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=settings.concurrency) as pool:
         results = list(pool.map(lambda p: complete(url, p, settings.request_timeout_s), payloads))
-    wall = time.monotonic() - t0
-    return [r[0] for r in results], [r[1] for r in results], wall
+    return results, time.monotonic() - t0
 
 
 def measure(url: str, conversations: Sequence[Messages], settings: Settings) -> RunResult:
@@ -175,10 +193,15 @@ def measure(url: str, conversations: Sequence[Messages], settings: Settings) -> 
         url, chat_payload(conversations[0], settings, max_tokens=4), settings.request_timeout_s
     )
     k = settings.num_speculative_tokens
-    before = spec_counters(settled_metrics(url), k)
-    token_ids, texts, wall = run_prompts(url, conversations, settings)
-    after = spec_counters(settled_metrics(url), k)
-    return RunResult(token_ids, texts, wall, delta(before, after))
+    before = settled_counters(url, k)
+    results, wall = run_prompts(url, conversations, settings)
+    after = settled_counters(url, k)
+    counters = delta(before, after) | {"spec_decode_enabled": after["spec_decode_enabled"]}
+    ids, texts, counts = (list(x) for x in zip(*results, strict=True))
+    return RunResult(ids, texts, counts, wall, counters)
+
+
+Runner = Callable[[ServerSpec, Sequence[Messages], Settings], RunResult]
 
 
 def serve_and_measure(
@@ -239,13 +262,23 @@ def evaluate(
     conversations: Sequence[Messages],
     settings: Settings,
     log_dir: Path,
-    runner: Callable[[ServerSpec, Sequence[Messages], Settings], RunResult] = serve_and_measure,
+    runner: Runner | None = None,
 ) -> tuple[dict[str, Any], list[int]]:
-    """Serve without, then with the drafter; (online section, indices of differing outputs)."""
+    """Serve without, then with the drafter; (online section, indices of differing outputs).
+
+    Sequential, never side by side: two servers on the same cores would skew the throughputs.
+    `runner` replaces `serve_and_measure` (tests record the servers they start).
+    """
     if not conversations:
         raise ValueError("online evaluation needs at least one prompt")
+    runner = runner or serve_and_measure
     k = settings.num_speculative_tokens
     baseline_spec, eagle_spec = server_specs(base, drafter, k, log_dir)
     baseline = runner(baseline_spec, conversations, settings)
     spec = runner(eagle_spec, conversations, settings)
+    if not spec.counters.get("spec_decode_enabled"):
+        raise ServerError(
+            f"vLLM was started with the drafter but its /metrics has no {SPEC_PREFIX}* "
+            f"counters: speculative decoding is off; see {eagle_spec.log_file}"
+        )
     return online_section(baseline, spec, k), mismatched_prompts(baseline, spec)

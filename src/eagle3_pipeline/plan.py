@@ -58,6 +58,7 @@ class DrafterShape:
     mlp_bias: bool
     norm_before_fc: bool
     fc_norm: bool = False
+    config_file: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,9 @@ class Plan:
 
 
 def _config_file(path: str | Path) -> Path:
+    """A config.json itself, or the model directory holding it (existing or not)."""
     path = Path(path)
-    return path / "config.json" if path.is_dir() else path
+    return path if path.suffix == ".json" and not path.is_dir() else path / "config.json"
 
 
 def _read_json(path: Path, error: type[Exception], fix: str) -> dict[str, Any]:
@@ -193,7 +195,7 @@ def _tokenizer_tokens(directory: Path) -> tuple[str, set[str]] | None:
     read: list[str] = []
     tok_json = directory / "tokenizer.json"
     if tok_json.is_file():
-        data = json.loads(tok_json.read_text())
+        data = _read_json(tok_json, VerifierError, "the verifier's tokenizer files are damaged")
         tokens |= {t.get("content", "") for t in data.get("added_tokens") or []}
         vocab = (data.get("model") or {}).get("vocab")
         if isinstance(vocab, dict):
@@ -201,7 +203,7 @@ def _tokenizer_tokens(directory: Path) -> tuple[str, set[str]] | None:
         read.append(tok_json.name)
     tok_cfg = directory / "tokenizer_config.json"
     if tok_cfg.is_file():
-        data = json.loads(tok_cfg.read_text())
+        data = _read_json(tok_cfg, VerifierError, "the verifier's tokenizer files are damaged")
         decoder = data.get("added_tokens_decoder") or {}
         tokens |= {t.get("content", "") for t in decoder.values() if isinstance(t, dict)}
         read.append(tok_cfg.name)
@@ -282,6 +284,7 @@ def drafter_from_init(config: dict[str, Any], where: Path) -> DrafterShape:
         mlp_bias=bool(layer.get("mlp_bias", False)),
         norm_before_fc=bool(norm_before_fc),
         fc_norm=bool(config.get("fc_norm", False)),
+        config_file=where,
     )
 
 
@@ -314,9 +317,11 @@ def drafter_from_verifier(config: dict[str, Any], params: Params, aux: list[int]
     )
 
 
-def check_init(drafter: DrafterShape, verifier: VerifierShape, params: Params, aux: list[int]):
+def check_init(
+    drafter: DrafterShape, verifier: VerifierShape, params: Params, aux: list[int]
+) -> None:
     """An init checkpoint whose shapes differ cannot be loaded, or loads into the wrong layers."""
-    where = drafter.source.split(" (")[0]
+    where = drafter.config_file
     if drafter.hidden_size != verifier.hidden_size:
         raise CheckpointError(
             f"{where}: hidden_size {drafter.hidden_size} but the verifier's is "

@@ -15,22 +15,24 @@ ORDER: vLLM collects layers in ascending order whatever order they were listed i
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
+from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.errors import DataError, VerifierError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
 from eagle3_pipeline.vllm_server import server_env
 
-CPU_CONNECTOR = "CPUHiddenStatesConnector"
-CPU_CONNECTOR_MODULE = "eagle3_pipeline.cpu_hs_connector"
 GPU_CONNECTOR = "ExampleHiddenStatesConnector"
 _VLLM_DTYPES = {"float32", "bfloat16", "float16"}
 
@@ -47,8 +49,6 @@ def engine_dtype(config: dict[str, Any]) -> str:
     vLLM's "auto" downcasts a float32 checkpoint to bf16; the two backends would then compute
     different tensors (DESIGN: they must agree).
     """
-    from eagle3_pipeline import verifier as vf
-
     dtype = str(vf.text_config(config).get("dtype") or config.get("torch_dtype") or "auto")
     return dtype if dtype in _VLLM_DTYPES else "auto"
 
@@ -61,9 +61,11 @@ def connector_config(storage_dir: Path) -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         return config | {"kv_connector": GPU_CONNECTOR}
+    from eagle3_pipeline import cpu_hs_connector  # imports vLLM; vLLM loads it again by name
+
     return config | {
-        "kv_connector": CPU_CONNECTOR,
-        "kv_connector_module_path": CPU_CONNECTOR_MODULE,
+        "kv_connector": cpu_hs_connector.CONNECTOR_NAME,
+        "kv_connector_module_path": cpu_hs_connector.__name__,
     }
 
 
@@ -83,17 +85,14 @@ def engine_overrides(extra_args: list[str]) -> dict[str, Any]:
 
 
 def engine_kwargs(params: Params, layer_ids: list[int], storage_dir: Path) -> dict[str, Any]:
-    """Arguments of vllm.LLM for extraction.
+    """Arguments of vllm.LLM for extraction; vllm.extra_args may override all but `required`.
 
-    Prefix caching and chunked prefill are off: a cached or chunked prefix is not recomputed, so
-    its hidden states would be missing from the file.
+    Prefix caching and chunked prefill stay off whatever extra_args say: a cached or chunked
+    prefix is not recomputed, so its hidden states would be missing from the file.
     """
-    from eagle3_pipeline import verifier as vf
-
     v = params.vllm
     ordered, _ = vllm_layer_order(layer_ids)
-    hf_config = {"eagle_aux_hidden_state_layer_ids": ordered}
-    return {
+    defaults = {
         "model": params.verifier.path,
         "revision": params.verifier.revision,
         "trust_remote_code": params.verifier.trust_remote_code,
@@ -102,69 +101,130 @@ def engine_kwargs(params: Params, layer_ids: list[int], storage_dir: Path) -> di
         "max_num_batched_tokens": max(v.max_model_len, params.extract.max_tokens_per_batch),
         "enforce_eager": v.enforce_eager,
         "tensor_parallel_size": v.tensor_parallel_size,
+        "seed": params.seed,
+    }
+    required = {
         "enable_prefix_caching": False,
         "enable_chunked_prefill": False,
         "speculative_config": {
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": hf_config},
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ordered}},
         },
         "kv_transfer_config": connector_config(storage_dir),
-        "seed": params.seed,
-    } | engine_overrides(v.extra_args)
+    }
+    return defaults | engine_overrides(v.extra_args) | required
 
 
-def _set_env() -> None:
-    """In-process engine core (no extra process), offline, caches inside the workspace."""
-    os.environ.update(server_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))
+@contextlib.contextmanager
+def _engine_env() -> Iterator[None]:
+    """In-process engine core, offline, caches in the workspace; only while vLLM starts.
+
+    Restored afterwards so that vLLM servers started later by this process (tests) do not
+    inherit VLLM_ENABLE_V1_MULTIPROCESSING=0.
+    """
+    wanted = server_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    saved = {k: os.environ.get(k) for k, v in wanted.items() if os.environ.get(k) != v}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def check_prompt_lengths(lengths: dict[str, int], max_model_len: int) -> None:
+    """Refuse before starting vLLM: a prompt needs room for the one output token."""
+    too_long = {sid: n for sid, n in lengths.items() if n > max_model_len - 1}
+    if too_long:
+        sid = max(too_long, key=too_long.__getitem__)
+        raise DataError(
+            f"sample {sid} has {too_long[sid]} tokens; vLLM takes at most vllm.max_model_len - 1 "
+            f"= {max_model_len - 1}: raise vllm.max_model_len or lower tokenize.max_seq_len"
+        )
+
+
+def _hidden_states_path(output) -> str:
+    path = (output.kv_transfer_params or {}).get("hidden_states_path")
+    if not path:
+        raise VerifierError(
+            "vLLM returned no hidden_states_path: its KV connector did not run; see the vLLM log "
+            "above this line"
+        )
+    return path
+
+
+def _written(path: str) -> bool:
+    """The file exists and its writer released the `.lock` beside it (stock protocol)."""
+    if not os.path.exists(path):
+        return False
+    try:
+        fd = os.open(path + ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
 
 
 class HiddenStateEngine:
     """One vLLM engine; `extract` returns [seq, n_ids, hidden] per prompt, in `layer_ids` order."""
 
     def __init__(self, params: Params, layer_ids: list[int], storage_dir: Path) -> None:
-        _set_env()
         from vllm import LLM, SamplingParams
 
         self.storage_dir = storage_dir
-        self.max_prompt_len = params.vllm.max_model_len - 1  # room for the one output token
+        self.write_timeout_s = params.vllm.ready_timeout_s
+        self.max_model_len = params.vllm.max_model_len
         self._order = vllm_layer_order(layer_ids)[1]
         self._sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         clear_dir(storage_dir)
         log("extract", f"starting vLLM (extract_hidden_states, layer ids {layer_ids})")
-        self.llm = LLM(**engine_kwargs(params, layer_ids, storage_dir))
+        with _engine_env():
+            self.llm = LLM(**engine_kwargs(params, layer_ids, storage_dir))
 
     def extract(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """Hidden states of each prompt's tokens, read from the connector's files."""
-        too_long = [len(p) for p in prompts if len(p) > self.max_prompt_len]
-        if too_long:
-            raise DataError(
-                f"a sample has {max(too_long)} tokens; vLLM needs at most "
-                f"vllm.max_model_len - 1 = {self.max_prompt_len}: raise vllm.max_model_len"
-            )
+        check_prompt_lengths({str(i): len(p) for i, p in enumerate(prompts)}, self.max_model_len)
         requests = [{"prompt_token_ids": p} for p in prompts]
         outputs = self.llm.generate(requests, self._sampling, use_tqdm=False)
-        return [self._read(out, p) for out, p in zip(outputs, prompts, strict=True)]
+        paths = [_hidden_states_path(out) for out in outputs]
+        self._wait_written(paths)
+        return [self._read(path, p) for path, p in zip(paths, prompts, strict=True)]
 
-    def _read(self, output, prompt: list[int]) -> torch.Tensor:
-        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-            cleanup_hidden_states,
-            load_hidden_states,
-        )
+    def _wait_written(self, paths: list[str]) -> None:
+        """Step the engine until every file is written.
 
-        path = (output.kv_transfer_params or {}).get("hidden_states_path")
-        if not path:
-            raise VerifierError(
-                "vLLM returned no hidden_states_path: the KV connector did not run (check "
-                "vllm.extra_args for a kv-transfer-config that replaces ours)"
-            )
-        data = load_hidden_states(path)
-        cleanup_hidden_states(path)
+        The connector writes a request's file one or two engine steps AFTER the request
+        finished. A server keeps stepping; an in-process engine only steps inside generate(),
+        which has already returned, so waiting on the file's lock alone would wait forever.
+        """
+        deadline = time.monotonic() + self.write_timeout_s
+        while not all(_written(p) for p in paths):
+            if time.monotonic() > deadline:
+                raise VerifierError(
+                    f"vLLM did not write hidden states within {self.write_timeout_s:.0f} s "
+                    f"(e.g. {paths[0]}): raise vllm.ready_timeout_s if the machine is busy"
+                )
+            self.llm.llm_engine.step()
+            time.sleep(0.002)
+
+    def _read(self, path: str, prompt: list[int]) -> torch.Tensor:
+        data = load_file(path)
+        for leftover in (path, path + ".lock"):
+            Path(leftover).unlink(missing_ok=True)
         hidden, tokens = data["hidden_states"], data["token_ids"]
         if tokens.tolist() != prompt or hidden.shape[0] != len(prompt):
             raise VerifierError(
                 f"vLLM wrote {hidden.shape[0]} hidden states for a {len(prompt)}-token prompt "
-                "(or other token ids): prefix caching or chunked prefill must stay off"
+                "(or other token ids): prefix caching and chunked prefill must stay off"
             )
         return hidden[:, self._order]
 
@@ -187,4 +247,4 @@ def engine(params: Params, layer_ids: list[int], storage_dir: Path) -> Iterator[
         yield eng
     finally:
         eng.close()
-        clear_dir(storage_dir)
+        shutil.rmtree(storage_dir, ignore_errors=True)

@@ -100,13 +100,16 @@ def watched(cmd: list[str]) -> list[str]:
     return [sys.executable, "-m", "eagle3_pipeline.vllm_server", "--watch", "--", *cmd]
 
 
-def _kill_group_on_eof(child: subprocess.Popen, grace_s: float = 20.0) -> None:
-    sys.stdin.buffer.read()  # returns at EOF only: the stage holding the other end is gone
+def _sweep_on_eof(orphaned: threading.Event, grace_s: float = 20.0) -> None:
+    # Raw reads until EOF, when the stage holding the other end is gone. (Not sys.stdin: a daemon
+    # thread blocked on its buffer lock aborts the interpreter at exit.)
+    while os.read(0, 1024):
+        pass
+    orphaned.set()
     with contextlib.suppress(ProcessLookupError):
         os.killpg(0, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        child.wait(timeout=grace_s)
-    os.killpg(0, signal.SIGKILL)  # the rest of the group, this watchdog included
+    time.sleep(grace_s)
+    os.killpg(0, signal.SIGKILL)  # a server deaf to SIGTERM, this watchdog included
 
 
 def _watch(cmd: list[str]) -> int:
@@ -115,8 +118,11 @@ def _watch(cmd: list[str]) -> int:
     # group's SIGTERM is meant for vLLM; this process exits when vLLM does.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-    threading.Thread(target=_kill_group_on_eof, args=(child,), daemon=True).start()
+    orphaned = threading.Event()
+    threading.Thread(target=_sweep_on_eof, args=(orphaned,), daemon=True).start()
     code = child.wait()
+    if orphaned.is_set():  # no stage is left to sweep the group after the server: do it here
+        os.killpg(0, signal.SIGKILL)
     return code if code >= 0 else 128 - code  # killed by signal N: exit 128+N, as a shell says
 
 

@@ -1,25 +1,36 @@
-"""Stage `evaluate`: simulated acceptance of the trained drafter vs an untrained one, on val.
+"""Stage `evaluate`: simulated acceptance of the trained drafter vs an untrained one, on val,
+and (evaluate.online) vLLM's real acceptance and throughput with and without the drafter.
 
 The untrained drafter (same shape, same vocab, random weights) is the floor: a trained drafter
-that does not beat it clearly has learned nothing, whatever its loss curve says.
+that does not beat it clearly has learned nothing, whatever its loss curve says. The online run
+is the proof that vLLM loads the drafter as it was trained: a large gap between simulated and
+served acceptance means the two disagree on layers, vocab mapping, norms or verifier.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from eagle3_pipeline import acceptance, atomic, drafter, store
+from eagle3_pipeline import acceptance, atomic, drafter, online_eval, store
 from eagle3_pipeline import verifier as vf
-from eagle3_pipeline.errors import StoreError
+from eagle3_pipeline.errors import DataError, ServerError, StoreError
 from eagle3_pipeline.layers import resolve_layer_ids
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
+from eagle3_pipeline.vllm_server import ServerSpec
 
 STAGE = "evaluate"
 DRAFTER_DIR = Path("models/drafter")
 STORE_DIR = Path("data/hidden_states")
 VOCAB_DIR = Path("data/vocab")
 METRICS = Path("metrics/eval.json")
+VAL_PROMPTS = Path("data/prepared/val.jsonl")
+WORK_DIR = Path("data/.work/evaluate")
+MISMATCH_CAUSES = (
+    "aux/final layer ids, vocab mapping d2t/t2d, norm_before_fc/norm_output flags, or a "
+    "different verifier"
+)
 
 
 def run(params: Params) -> None:
@@ -56,12 +67,95 @@ def run(params: Params) -> None:
         "offline_gain": offline["trained"]["mean_acceptance_length"]
         - offline["untrained"]["mean_acceptance_length"],
     }
-    atomic.write_json(METRICS, result)
     tr, un = offline["trained"], offline["untrained"]
     log(
         STAGE,
         f"drafter {DRAFTER_DIR}: simulated mean acceptance length "
         f"{tr['mean_acceptance_length']:.3f} (untrained {un['mean_acceptance_length']:.3f}), "
         f"acceptance rate {tr['acceptance_rate']:.1%} "
-        f"over {tr['num_drafts']} drafts of {k} tokens on {len(val)} val samples -> {METRICS}",
+        f"over {tr['num_drafts']} drafts of {k} tokens on {len(val)} val samples",
     )
+    mismatched: list[str] = []
+    if params.evaluate.online:
+        section, mismatched = run_online(params)
+        result |= online_verdict(section, tr["mean_acceptance_length"], mismatched, params)
+    atomic.write_json(METRICS, result)
+    log(STAGE, f"-> {METRICS}")
+    if mismatched:
+        raise ServerError(
+            f"greedy outputs with the drafter differ from those without it on "
+            f"{len(mismatched)} of {result['online']['num_prompts']} val prompts (first: "
+            f"{mismatched[0]}): speculative decoding is not lossless here; logs in {WORK_DIR}"
+        )
+
+
+def val_conversations(limit: int) -> list[dict[str, Any]]:
+    """The first `limit` prepared val rows (id + messages), in file order."""
+    if not VAL_PROMPTS.is_file():
+        raise DataError(f"{VAL_PROMPTS}: not found: run the prepare stage")
+    rows = atomic.read_jsonl(VAL_PROMPTS)[:limit]
+    if not rows:
+        raise DataError(f"{VAL_PROMPTS}: no val prompts: raise prepare.val_ratio")
+    return rows
+
+
+def server_spec(params: Params) -> ServerSpec:
+    """The verifier's server as params.vllm describes it; no reasoning parser, so the whole
+    completion (reasoning included) is what the two runs compare."""
+    v = params.vllm
+    return ServerSpec(
+        model=params.verifier.path,
+        log_file=WORK_DIR / "vllm.log",
+        max_model_len=v.max_model_len,
+        enforce_eager=v.enforce_eager,
+        tensor_parallel_size=v.tensor_parallel_size,
+        trust_remote_code=params.verifier.trust_remote_code,
+        ready_timeout_s=v.ready_timeout_s,
+        extra_args=list(v.extra_args),
+    )
+
+
+def run_online(params: Params) -> tuple[dict[str, Any], list[str]]:
+    """Serve the verifier without, then with the drafter; (online section, differing ids)."""
+    e = params.evaluate
+    rows = val_conversations(e.max_eval_prompts)
+    settings = online_eval.Settings(
+        num_speculative_tokens=e.num_speculative_tokens,
+        max_new_tokens=e.max_new_tokens,
+        # Same client concurrency as generation; both runs use it, so the ratio is fair.
+        concurrency=params.generate.concurrency,
+        chat_template_kwargs=dict(params.generate.chat_template_kwargs),
+    )
+    section, differing = online_eval.evaluate(
+        server_spec(params), DRAFTER_DIR, [r["messages"] for r in rows], settings, WORK_DIR
+    )
+    return section, [rows[i]["id"] for i in differing]
+
+
+def is_mismatch(online_mal: float, offline_mal: float, ratio: float) -> bool:
+    """Served gain far below the simulated gain: vLLM and the trainer disagree on something."""
+    return online_mal - 1 < ratio * (offline_mal - 1)
+
+
+def online_verdict(
+    section: dict[str, Any], offline_mal: float, mismatched: list[str], params: Params
+) -> dict[str, Any]:
+    """eval.json keys of the online run; logs one summary line and, if needed, one warning."""
+    mal = section["mean_acceptance_length"]
+    mismatch = is_mismatch(mal, offline_mal, params.evaluate.mismatch_ratio)
+    log(
+        STAGE,
+        f"vLLM: mean acceptance length {mal:.3f} (simulated {offline_mal:.3f}), acceptance rate "
+        f"{section['acceptance_rate']:.1%}, {section['tokens_per_s']:.1f} vs "
+        f"{section['tokens_per_s_baseline']:.1f} output tokens/s without the drafter "
+        f"(x{section['speedup']:.2f}) on {section['num_prompts']} val prompts",
+    )
+    if mismatch:
+        log(
+            STAGE,
+            f"MISMATCH: vLLM accepts far less than simulated ({mal:.2f} vs {offline_mal:.2f}, "
+            f"below evaluate.mismatch_ratio={params.evaluate.mismatch_ratio}); likely causes: "
+            f"{MISMATCH_CAUSES}: compare {DRAFTER_DIR}/config.json with the served verifier",
+        )
+    section = section | {"greedy_mismatched_ids": mismatched[:20]}
+    return {"online": section, "greedy_outputs_identical": not mismatched, "mismatch": mismatch}

@@ -4,12 +4,19 @@ Batches are bounded by a token budget (padded tokens), never by a sample count: 
 must not OOM a batch sized for short ones. Samples are length-sorted so padding stays small.
 Finished files accumulate in data/.work/extract/ (journaled per batch) and move into
 data/hidden_states/ by rename once all are done: a killed run redoes at most one batch.
+
+Backends (extract.backend) differ only in how a batch's hidden states are computed: `hf` runs the
+transformers model with hooks (LayerCapture), `vllm` asks vLLM's `extract_hidden_states` method
+(vllm_extract.py). Both hand [seq, n_ids, hidden] per sample to the same store writer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eagle3_pipeline import atomic, resume, store
 from eagle3_pipeline import verifier as vf
@@ -18,9 +25,16 @@ from eagle3_pipeline.layers import resolve_layer_ids
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
 
+if TYPE_CHECKING:
+    import torch
+
 STAGE = "extract"
 INPUT_DIR = Path("data/tokenized")
 OUTPUT_DIR = Path("data/hidden_states")
+VLLM_FILES = "vllm"  # subfolder of the scratch dir where vLLM's connector writes its files
+
+# A batch of token id lists -> one [seq, n_ids, hidden] tensor per sample, in layer-id order.
+BatchFn = Callable[[list[list[int]]], "list[torch.Tensor]"]
 
 
 def token_budget_batches(lengths: dict[str, int], max_tokens: int) -> list[list[str]]:
@@ -107,9 +121,63 @@ def forward_hidden_states(model, capture: LayerCapture, batch_ids: list[list[int
     return capture.stacked()
 
 
-def run(params: Params) -> None:
+@contextlib.contextmanager
+def hf_backend(params: Params, layer_ids: list[int]) -> Iterator[BatchFn]:
+    """transformers forward with hooks; right-padded batches, padding cut off per sample."""
     import torch
 
+    model = vf.load_model(params)
+    capture = LayerCapture(model, layer_ids)
+    torch.set_grad_enabled(False)
+
+    def run_batch(batch_ids: list[list[int]]) -> list[torch.Tensor]:
+        hs = forward_hidden_states(model, capture, batch_ids)
+        return [hs[j, : len(ids)] for j, ids in enumerate(batch_ids)]
+
+    try:
+        yield run_batch
+    finally:
+        capture.remove()
+
+
+@contextlib.contextmanager
+def vllm_backend(params: Params, layer_ids: list[int], work: Path) -> Iterator[BatchFn]:
+    """vLLM's extract_hidden_states; its connector writes into the scratch dir."""
+    from eagle3_pipeline import vllm_extract
+
+    with vllm_extract.engine(params, layer_ids, work / VLLM_FILES) as eng:
+        yield eng.extract
+
+
+def open_backend(
+    params: Params, layer_ids: list[int], work: Path
+) -> contextlib.AbstractContextManager[BatchFn]:
+    if params.extract.backend == "vllm":
+        return vllm_backend(params, layer_ids, work)
+    return hf_backend(params, layer_ids)
+
+
+def write_batch(
+    work: Path, batch_rows: list[dict], states: list[torch.Tensor], layout: store.StoreLayout
+) -> list[dict]:
+    """Store one batch's samples in the scratch dir; return their journal entries."""
+    import torch
+
+    entries = []
+    for row, hs in zip(batch_rows, states, strict=True):
+        entry = store.write_sample(
+            work,
+            row["id"],
+            hs,
+            torch.tensor(row["input_ids"]),
+            torch.tensor(row["loss_mask"]),
+            layout,
+        )
+        entries.append(entry | {"id": row["id"], "split": row["split"]})
+    return entries
+
+
+def run(params: Params) -> None:
     config = vf.read_config(params.verifier.path)
     n_layers, hidden, _ = vf.shape(config)
     aux, final = resolve_layer_ids(params.layers, n_layers)
@@ -135,32 +203,23 @@ def run(params: Params) -> None:
     total_tokens = sum(len(r["input_ids"]) for r in rows.values())
     done_tokens = total_tokens - sum(len(rows[i]["input_ids"]) for b in todo for i in b)
     progress = Progress(STAGE, total_tokens, unit="tok", already_done=done_tokens)
+    if params.extract.backend == "vllm":  # refuse before the engine's slow start
+        from eagle3_pipeline.vllm_extract import check_prompt_lengths
+
+        check_prompt_lengths(
+            {i: len(rows[i]["input_ids"]) for b in todo for i in b}, params.vllm.max_model_len
+        )
     padded = real = 0
     if todo:
-        model = vf.load_model(params)
-        capture = LayerCapture(model, layout.layer_ids)
-        torch.set_grad_enabled(False)
-        for batch in todo:
-            ids = [rows[i]["input_ids"] for i in batch]
-            hs = forward_hidden_states(model, capture, ids)
-            padded += hs.shape[0] * hs.shape[1]
-            new = []
-            for j, sid in enumerate(batch):
-                n = len(ids[j])
-                entry = store.write_sample(
-                    work,
-                    sid,
-                    hs[j, :n],
-                    torch.tensor(ids[j]),
-                    torch.tensor(rows[sid]["loss_mask"]),
-                    layout,
-                )
-                new.append(entry | {"id": sid, "split": rows[sid]["split"]})
-                real += n
-            journal.append(new)
-            entries.update({e["id"]: e for e in new})
-            progress.advance(sum(len(x) for x in ids))
-        capture.remove()
+        with open_backend(params, layout.layer_ids, work) as run_batch:
+            for batch in todo:
+                ids = [rows[i]["input_ids"] for i in batch]
+                new = write_batch(work, [rows[i] for i in batch], run_batch(ids), layout)
+                journal.append(new)
+                entries.update({e["id"]: e for e in new})
+                progress.advance(sum(len(x) for x in ids))
+                padded += len(ids) * max(len(x) for x in ids)
+                real += sum(len(x) for x in ids)
     with atomic.replace_dir(OUTPUT_DIR) as tmp:
         for sid in rows:
             os.replace(work / entries[sid]["file"], tmp / entries[sid]["file"])
@@ -168,10 +227,16 @@ def run(params: Params) -> None:
             tmp, layout, {sid: {k: v for k, v in entries[sid].items() if k != "id"} for sid in rows}
         )
     journal.clear()
-    pad_frac = 1 - real / padded if padded else 0.0
     gb = total_tokens * layout.bytes_per_token() / 1e9
     log(
         STAGE,
         f"{len(rows)} samples, {total_tokens:,} tokens, layers {layout.layer_ids}, "
-        f"{gb:.3f} GB, padding {pad_frac:.1%} -> {OUTPUT_DIR}",
+        f"{gb:.3f} GB, {_padding_note(params.extract.backend, real, padded)} -> {OUTPUT_DIR}",
     )
+
+
+def _padding_note(backend: str, real: int, padded: int) -> str:
+    """hf pads each batch to its longest sample; vLLM packs sequences without padding."""
+    if backend == "vllm":
+        return "backend vllm (no padding)"
+    return f"padding {1 - real / padded if padded else 0.0:.1%}"

@@ -29,8 +29,9 @@ OUTPUT_DIR = Path("data/generated")
 SERVER_LOG = resume.SCRATCH_ROOT / STAGE / "server.log"
 SERVED_NAME = "verifier"
 THINK_END = "</think>"
-# Knobs that change how rows are fetched, not what they contain: changing them keeps the journal.
-_NOT_FINGERPRINTED = {"concurrency", "max_retries", "request_timeout_s"}
+# How rows are fetched, not what they contain (the verifier is fingerprinted by its config):
+# changing these keeps the journal, e.g. to finish a killed run on a teammate's server.
+_NOT_FINGERPRINTED = {"server_url", "concurrency", "max_retries", "request_timeout_s"}
 
 
 def split_reasoning(text: str) -> tuple[str | None, str]:
@@ -186,6 +187,10 @@ def _reply_row(prepared: dict, reply: ChatReply) -> dict:
     return _row(prepared, reply.reasoning, reply.content, reply.finish_reason)
 
 
+def _log_hint(params: Params) -> str:
+    return "" if params.generate.server_url else f"see {SERVER_LOG}; "
+
+
 def _generate_vllm(
     params: Params, url: str, rows: list[dict], journal: resume.Journal, progress: Progress
 ) -> list[dict]:
@@ -199,6 +204,11 @@ def _generate_vllm(
     def on_outcome(out: Outcome) -> None:
         if out.reply is None:
             failed.append({"id": out.id, "reason": out.error})
+            if out.transient and not client.answers():
+                raise ServerError(
+                    f"the server at {url} stopped answering ({out.id}: {out.error}); "
+                    f"{_log_hint(params)}rerun to resume: finished rows are kept"
+                )
         else:
             journal.append([_reply_row(by_id[out.id], out.reply)])
         noted = failed or client.retries
@@ -206,13 +216,14 @@ def _generate_vllm(
 
     jobs = [(r["id"], request_body(params, model, r)) for r in rows]
     complete_all(client, jobs, g.concurrency, on_outcome)
+    failed.sort(key=lambda f: f["id"])
     if failed and len(failed) == len(rows):
         first = failed[0]
         raise ServerError(
-            f"all {len(rows)} requests to {url} failed, e.g. {first['id']}: {first['reason']}"
-            + ("" if g.server_url else f" (server log: {SERVER_LOG})")
+            f"all {len(rows)} requests to {url} failed, e.g. {first['id']}: {first['reason']}; "
+            f"{_log_hint(params)}fix the cause and rerun"
         )
-    return sorted(failed, key=lambda f: f["id"])
+    return failed
 
 
 def _run_vllm(
