@@ -30,6 +30,9 @@ def tiny_verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                     "vocab_size": 1024,
                     "hidden_size": 64,
                     "intermediate_size": 128,
+                    # head_dim 32: vLLM's CPU attention rejects head_dim 16
+                    "num_attention_heads": 2,
+                    "num_key_value_heads": 1,
                 }
             },
             "vocab": {"draft_vocab_size": 256},

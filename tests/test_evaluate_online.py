@@ -375,7 +375,7 @@ def test_stage_online_section_and_mismatch_line(
         {"method": "eagle3", "model": "models/drafter", "num_speculative_tokens": 3},
     ]
     assert all(n == 3 for _, n, _ in seen)
-    assert seen[0][2] == seen[1][2] and seen[0][2].concurrency == params.generate.concurrency
+    assert seen[0][2] == seen[1][2] and seen[0][2].concurrency == params.evaluate.concurrency
     assert seen[0][0].model == params.verifier.path
     assert out["greedy_outputs_identical"] is True
     assert out["mismatch"] is True  # 1.5 - 1 < 0.5 * (3.0 - 1)

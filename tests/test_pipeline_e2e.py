@@ -15,10 +15,18 @@ pytestmark = pytest.mark.slow
 
 SMALL = {
     "verifier": {
-        "tiny": {"train_steps": 60, "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128}
+        "tiny": {
+            "train_steps": 60,
+            "vocab_size": 1024,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+        }  # head_dim 32 for vLLM CPU
     },
     "prepare": {"max_prompts": 60, "val_ratio": 0.2},
     "generate": {"max_new_tokens": 32},
+    "evaluate": {"max_eval_prompts": 6, "max_new_tokens": 24},
     "tokenize": {"max_seq_len": 128},
     "vocab": {"draft_vocab_size": 256},
     "train": {"epochs": 4, "max_tokens_per_batch": 512},

@@ -139,6 +139,7 @@ class EvaluateParams(_Strict):
     max_eval_prompts: int = Field(24, ge=1)
     max_new_tokens: int = Field(64, ge=1)
     mismatch_ratio: float = Field(0.5, gt=0.0, le=1.0)
+    concurrency: int = Field(1, ge=1)
 
 
 class Params(_Strict):

@@ -122,8 +122,8 @@ def run_online(params: Params) -> tuple[dict[str, Any], list[str]]:
     settings = online_eval.Settings(
         num_speculative_tokens=e.num_speculative_tokens,
         max_new_tokens=e.max_new_tokens,
-        # Same client concurrency as generation; both runs use it, so the ratio is fair.
-        concurrency=params.generate.concurrency,
+        # Both runs use it, so the ratio is fair; 1 = the latency a single user sees.
+        concurrency=params.evaluate.concurrency,
         chat_template_kwargs=dict(params.generate.chat_template_kwargs),
     )
     section, differing = online_eval.evaluate(
