@@ -110,6 +110,10 @@ def test_metrics_are_sane(pipeline: Path) -> None:
     assert 1.0 <= untrained["mean_acceptance_length"] < 1.2
     assert trained["mean_acceptance_length"] > untrained["mean_acceptance_length"] + 0.3
     assert trained["mean_acceptance_length"] <= 4.0 and trained["num_drafts"] > 100
+    online = ev["online"]  # the default profile serves the drafter with vLLM
+    assert ev["greedy_outputs_identical"] is True
+    assert 1.0 <= online["mean_acceptance_length"] <= 4.0 and online["num_prompts"] == 6
+    assert online["mean_acceptance_length"] > untrained["mean_acceptance_length"]
     per_pos = trained["acceptance_per_position"]
     assert per_pos == sorted(per_pos, reverse=True)  # a chain: later positions need earlier ones
     train = json.loads((pipeline / "metrics/train.json").read_text())
