@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -46,9 +47,11 @@ def test_hadolint_clean() -> None:
 
 
 def test_docker_train_command_line() -> None:
-    out = subprocess.run(
-        ["make", "-n", "docker-train", "PROFILE=kimi-k2.5", "HF_CACHE=/hf"],
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    out = subprocess.run(  # also when `make test` runs us: no make[1] directory lines
+        ["make", "--no-print-directory", "-n", "docker-train", "PROFILE=kimi-k2.5", "HF_CACHE=/hf"],
         cwd=REPO,
+        env=env,
         capture_output=True,
         text=True,
         check=True,
