@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
 
 SMALL = {
     "verifier": {
@@ -54,8 +55,6 @@ def _run(repo: Path, *cmd: str) -> str:
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.conftest import REPO
-
     repo = tmp_path_factory.mktemp("e2e") / "repo"
     files = subprocess.run(
         ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True

@@ -31,11 +31,13 @@ def main() -> int:
     )
     online = ev.get("online")
     if online:
-        print(f"online (vLLM): mean acceptance length {online['mean_acceptance_length']:.3f}, "
-              f"acceptance rate {online['acceptance_rate']:.1%}, "
-              f"{online['tokens_per_s']:.1f} tokens/s with the drafter vs "
-              f"{online['tokens_per_s_baseline']:.1f} without (x{online['speedup']:.2f}); "
-              f"greedy outputs identical: {ev.get('greedy_outputs_identical')}")
+        print(
+            f"online (vLLM): mean acceptance length {online['mean_acceptance_length']:.3f}, "
+            f"acceptance rate {online['acceptance_rate']:.1%}, "
+            f"{online['tokens_per_s']:.1f} tokens/s with the drafter vs "
+            f"{online['tokens_per_s_baseline']:.1f} without (x{online['speedup']:.2f}); "
+            f"greedy outputs identical: {ev.get('greedy_outputs_identical')}"
+        )
         if ev.get("mismatch"):
             print("MISMATCH: online acceptance is far below the offline simulation (see evaluate)")
     return 0

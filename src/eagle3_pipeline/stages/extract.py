@@ -124,11 +124,9 @@ def forward_hidden_states(model, capture: LayerCapture, batch_ids: list[list[int
 @contextlib.contextmanager
 def hf_backend(params: Params, layer_ids: list[int]) -> Iterator[BatchFn]:
     """transformers forward with hooks; right-padded batches, padding cut off per sample."""
-    import torch
 
     model = vf.load_model(params)
     capture = LayerCapture(model, layer_ids)
-    torch.set_grad_enabled(False)
 
     def run_batch(batch_ids: list[list[int]]) -> list[torch.Tensor]:
         hs = forward_hidden_states(model, capture, batch_ids)
