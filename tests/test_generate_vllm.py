@@ -8,7 +8,6 @@ behind). One server is shared by the module; the killed stage starts its own.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -343,27 +342,7 @@ def test_unreachable_server_url_is_a_one_line_error(tmp_path: Path, monkeypatch)
 # ---------------------------------------------------------------------------------------------
 # the stage against a real vLLM server
 
-TAG_VAR = "EAGLE3_TEST_SERVER_TAG"
-
-
-def tagged_pids(tag: str) -> list[int]:
-    """Live processes whose environment carries our tag: the servers this module started."""
-    needle = f"{TAG_VAR}={tag}".encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        with contextlib.suppress(OSError):
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                pids.append(int(entry.name))
-    return pids
-
-
-def wait_none_tagged(tag: str, timeout_s: float = 60.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while (left := tagged_pids(tag)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
+from server_procs import TAG_VAR, tagged_pids, wait_none_tagged  # noqa: E402
 
 
 def servable_copy(src: Path, dst: Path) -> Path:

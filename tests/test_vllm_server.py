@@ -8,7 +8,6 @@ never count and ours are found even after they were re-parented.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -18,31 +17,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+from server_procs import TAG_VAR, tagged_pids, wait_none_tagged  # noqa: E402
 
 from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.vllm_server import ServerSpec, serve, watched
-
-TAG_VAR = "EAGLE3_TEST_SERVER_TAG"
-
-
-def tagged_pids(tag: str) -> list[int]:
-    """Live processes whose environment carries `tag`."""
-    needle = f"{TAG_VAR}={tag}".encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        with contextlib.suppress(OSError):
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                pids.append(int(entry.name))
-    return pids
-
-
-def wait_none_tagged(tag: str, timeout_s: float = 60.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while (left := tagged_pids(tag)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
 
 
 def _spec(tmp_path: Path, model: Path, tag: str, **kw) -> ServerSpec:
