@@ -16,6 +16,8 @@ def test_split_reasoning() -> None:
     assert generate.split_reasoning("I think.</think>The answer.") == ("I think.", "The answer.")
     assert generate.split_reasoning("no end") == ("no end", "")
     assert generate.split_reasoning("</think>") == ("", "")
+    # as vLLM's deepseek_r1 parser: a <think> the model emits restarts the reasoning
+    assert generate.split_reasoning("a<think>b</think>c</think>d") == ("b", "c</think>d")
 
 
 def _setup(tmp: Path, verifier: Path) -> Params:

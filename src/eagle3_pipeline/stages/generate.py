@@ -28,6 +28,7 @@ INPUT_DIR = Path("data/prepared")
 OUTPUT_DIR = Path("data/generated")
 SERVER_LOG = resume.SCRATCH_ROOT / STAGE / "server.log"
 SERVED_NAME = "verifier"
+THINK_START = "<think>"
 THINK_END = "</think>"
 # How rows are fetched, not what they contain (the verifier is fingerprinted by its config):
 # changing these keeps the journal, e.g. to finish a killed run on a teammate's server.
@@ -35,14 +36,17 @@ _NOT_FINGERPRINTED = {"server_url", "concurrency", "max_retries", "request_timeo
 
 
 def split_reasoning(text: str) -> tuple[str | None, str]:
-    """(reasoning, content) of a completion whose prompt opened `<think>`.
+    """(reasoning, content) of a completion whose prompt opened `<think>`, exactly as vLLM's
+    deepseek_r1 parser splits it, so both backends write the same rows.
 
-    Without `</think>` the whole text is reasoning that never reached an answer, as vLLM's
-    deepseek_r1 parser reports it.
+    A `<think>` the model emits itself restarts the reasoning (what precedes it is dropped);
+    without `</think>` the whole text is reasoning that never reached an answer.
     """
+    before, start, after = text.partition(THINK_START)
+    text = after if start else before
     if THINK_END not in text:
         return text, ""
-    reasoning, content = text.split(THINK_END, 1)
+    reasoning, _, content = text.partition(THINK_END)
     return reasoning, content
 
 
