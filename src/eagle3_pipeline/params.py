@@ -130,7 +130,7 @@ class TrainParams(_Strict):
 
 
 class ExportParams(_Strict):
-    format: Literal["speculators", "flat"] = "speculators"
+    format: Literal["speculators"] = "speculators"  # "flat" (SGLang, legacy vLLM): not yet
 
 
 class EvaluateParams(_Strict):

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from eagle3_pipeline import atomic, drafter
 from eagle3_pipeline import verifier as vf
-from eagle3_pipeline.errors import ParamsError
 from eagle3_pipeline.layers import resolve_layer_ids
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
@@ -24,8 +23,6 @@ OUTPUT_DIR = Path("models/drafter")
 
 
 def run(params: Params) -> None:
-    if params.export.format != "speculators":
-        raise ParamsError(f"params.yaml: export.format={params.export.format}: only 'speculators'")
     n_layers, _, _ = vf.shape(vf.read_config(params.verifier.path))
     aux, final = resolve_layer_ids(params.layers, n_layers)
     ident = vf.identity(params)
