@@ -55,6 +55,20 @@ def config_sha256(path: str | Path) -> str:
     return hashlib.sha256((Path(path) / "config.json").read_bytes()).hexdigest()
 
 
+def files_stamp(path: str | Path) -> str:
+    """Cheap stamp of the verifier's files (name, size, mtime): changes when the weights change.
+
+    Resumable stages key their scratch work on it, so rows made by an earlier verifier (same
+    config.json, other weights) are never reused. Never hashes contents: 547 GB for Kimi-K2.5.
+    """
+    parts = sorted(
+        (f.name, f.stat().st_size, f.stat().st_mtime_ns)
+        for f in Path(path).iterdir()
+        if f.is_file()
+    )
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
 def identity(params: Params) -> dict[str, Any]:
     """How the verifier is named in manifests and drafter configs: never an absolute path."""
     v = params.verifier

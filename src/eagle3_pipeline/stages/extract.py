@@ -187,6 +187,7 @@ def run(params: Params) -> None:
     layout = store.StoreLayout(aux, final, hidden, params.extract.store_dtype, vf.identity(params))
     key = resume.fingerprint(
         layout.__dict__,
+        vf.files_stamp(params.verifier.path),
         params.extract.model_dump(),
         resume.file_sha256(INPUT_DIR / "train.jsonl"),
         resume.file_sha256(INPUT_DIR / "val.jsonl"),

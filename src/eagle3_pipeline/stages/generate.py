@@ -248,7 +248,7 @@ def _fingerprint(params: Params) -> str:
         params.seed,
         resume.file_sha256(INPUT_DIR / "train.jsonl"),
         resume.file_sha256(INPUT_DIR / "val.jsonl"),
-        vf.config_sha256(params.verifier.path),
+        vf.files_stamp(params.verifier.path),
     )
 
 
