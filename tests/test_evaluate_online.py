@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import build_tiny_verifier
 from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline import online_eval as oe
@@ -55,30 +56,8 @@ STARTED: dict[int, list[int]] = {}
 
 @pytest.fixture(scope="module")
 def served_verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Like conftest's tiny_verifier_dir, but with head_dim 32.
-
-    vLLM's CPU attention supports head sizes 32, 64, ...: tiny_verifier_dir's head_dim 16
-    (hidden 64 / 4 heads) loads, then dies on the first request with `Unsupported CPU
-    attention configuration: head_dim=16`.
-    """
-    from eagle3_pipeline.stages import verifier as stage
-
-    out = tmp_path_factory.mktemp("served") / "verifier"
-    tiny = {
-        "train_steps": 0,  # random weights: varied greedy text, a harder identity check
-        "corpus": str(REPO / "data/corpus/verifier_corpus.jsonl"),
-        "vocab_size": 1024,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-    }
-    params = Params.model_validate(
-        {"verifier": {"tiny": tiny}, "vocab": {"draft_vocab_size": DRAFT_VOCAB}}
-    )
-    out.mkdir()
-    stage.build_tiny(params, out)
-    return out
+    """Random weights (0 training steps): varied greedy text, a harder identity check."""
+    return build_tiny_verifier(tmp_path_factory.mktemp("served") / "verifier", train_steps=0)
 
 
 def build_untrained_drafter(verifier: Path, out: Path, draft_vocab: int) -> Path:

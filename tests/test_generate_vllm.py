@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -344,26 +343,13 @@ def test_unreachable_server_url_is_a_one_line_error(tmp_path: Path, monkeypatch)
 
 from server_procs import TAG_VAR, tagged_pids, wait_none_tagged  # noqa: E402
 
-
-def servable_copy(src: Path, dst: Path) -> Path:
-    """The shared tiny verifier with head_dim 32: vLLM's CPU attention rejects its head_dim 16.
-
-    4 heads x 16 = 2 heads x 32 with 1 KV head (2 x 16): the same weight shapes, reread.
-    """
-    shutil.copytree(src, dst)
-    config = json.loads((dst / "config.json").read_text())
-    config.update(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
-
-
 N_ROWS = 24
 SAMPLING = {"temperature": 1.0, "max_new_tokens": 48, "chat_template_kwargs": {"thinking": True}}
 
 
 @pytest.fixture(scope="module")
-def vllm_verifier(tiny_verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return servable_copy(tiny_verifier_dir, tmp_path_factory.mktemp("vllm") / "verifier")
+def vllm_verifier(tiny_verifier_dir: Path) -> Path:
+    return tiny_verifier_dir
 
 
 @pytest.fixture(scope="module")

@@ -62,7 +62,3 @@ class Progress:
             f"{self.done}/{self.total} {pct:.0f}% {rate:.1f} {self.unit}/s ETA {eta}{tail}",
             self._stream,
         )
-
-    @property
-    def elapsed_s(self) -> float:
-        return time.monotonic() - self._t0

@@ -17,10 +17,6 @@ from eagle3_pipeline.params import Params
 _NESTED_KEYS = ("text_config", "language_model", "llm_config")
 
 
-def verifier_path(params: Params) -> Path:
-    return Path(params.verifier.path)
-
-
 def read_config(path: str | Path) -> dict[str, Any]:
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():

@@ -137,7 +137,7 @@ def run(params: Params) -> None:
     work = resume.scratch_dir(STAGE, key)
     data_dir, save_dir = work / "data", work / "checkpoints"
     sc.write_training_data(data_dir, samples)
-    if sys.stdout.isatty() is False:
+    if not sys.stdout.isatty():
         os.environ.setdefault("TQDM_DISABLE", "1")  # bars are noise in a log file
     log(
         STAGE,
