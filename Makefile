@@ -14,7 +14,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export DVC_NO_ANALYTICS := 1
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: venv train repro profile test test-fast lint status metrics plots push pull docker-build docker-train clean-work
+.PHONY: venv train repro profile test test-fast lint status metrics plots push pull bench gpu-check docker-build docker-train clean-work
 
 ifdef SKIP_VENV
 venv:  # the container's environment is already installed (Dockerfile)
@@ -65,6 +65,14 @@ push: venv
 
 pull: venv
 	$(BIN)/dvc pull $(TARGETS)
+
+# Benchmarks (numbers go to stdout and bench/results/; targets in README, not timed tests).
+bench: venv
+	@set -e; for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b; done
+
+# One prepared check on a CUDA machine (< 5 min): tiny extract + train in bf16, tokens/s.
+gpu-check: venv
+	$(PY) scripts/gpu_check.py
 
 IMAGE ?= eagle3-pipeline:0.1.0
 HF_CACHE ?= $(HOME)/.cache/huggingface

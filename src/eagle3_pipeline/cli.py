@@ -52,8 +52,50 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
         p.add_argument("--debug", action="store_true", help="show tracebacks")
+        if name == "extract":
+            p.add_argument(
+                "--shard",
+                metavar="I/N",
+                type=_shard,
+                help="extract only shard I of N (0-based, disjoint by sample id); run every "
+                "shard, then `eagle3 extract` without --shard merges them into the store",
+            )
     _add_plan_parser(sub)
+    _add_store_parser(sub)
+    _add_provenance_parser(sub)
     return parser
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard {text}: expected I/N, e.g. 0/2") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise argparse.ArgumentTypeError(f"--shard {text}: need 0 <= I < N")
+    return i, n
+
+
+def _add_store_parser(sub: argparse._SubParsersAction) -> None:
+    help_text = "hidden-state store tools"
+    p = sub.add_parser("store", help=help_text, description=help_text)
+    tools = p.add_subparsers(dest="tool", required=True, metavar="<tool>")
+    v_help = (
+        "re-hash every file of the store and check shapes, dtypes, layer ids and token ids "
+        "against the tokenized input; list the bad files, exit 1 if any"
+    )
+    v = tools.add_parser("verify", help=v_help, description=v_help)
+    v.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
+    v.add_argument("--store", default="data/hidden_states", help="store (default: %(default)s)")
+    v.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _add_provenance_parser(sub: argparse._SubParsersAction) -> None:
+    help_text = "what produced a stage's outputs: commit, params hash, versions, device, seeds"
+    p = sub.add_parser("provenance", help=help_text, description=help_text)
+    p.add_argument("target", help="a stage name (e.g. train) or an output path in it")
+    p.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -103,9 +145,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage == "plan":
             _run_plan(args, params)
             return 0
+        if args.stage == "store":
+            from eagle3_pipeline import store_verify
+
+            return store_verify.main(params, store_dir=args.store)
+        from eagle3_pipeline import provenance
+
+        if args.stage == "provenance":
+            print(provenance.show(args.target), flush=True)
+            return 0
         module = importlib.import_module(f"eagle3_pipeline.stages.{args.stage}")
         t0 = time.monotonic()
-        module.run(params)
+        shard = getattr(args, "shard", None)
+        module.run(params, shard=shard) if shard else module.run(params)
+        provenance.record(args.stage, params, params_path=args.params)
         print(f"[{args.stage}] done in {time.monotonic() - t0:.1f} s", flush=True)
         return 0
     except PipelineError as exc:

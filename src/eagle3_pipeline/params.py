@@ -106,7 +106,10 @@ class TokenizeParams(_Strict):
 class ExtractParams(_Strict):
     backend: Literal["hf", "vllm"] = "hf"
     max_tokens_per_batch: int = Field(4096, ge=1)
-    store_dtype: Literal["bf16"] = "bf16"
+    # fp8: e4m3 with one fp32 scale per token and layer (half the bytes; readers dequantize).
+    store_dtype: Literal["bf16", "fp8"] = "bf16"
+    # Pre-flight: refuse to start when the disk lacks the estimated store size plus this margin.
+    disk_headroom_gb: float = Field(1.0, ge=0.0)
 
 
 class VocabParams(_Strict):
@@ -125,12 +128,24 @@ class TrainParams(_Strict):
     num_workers: int = Field(0, ge=0)
     seed: int = 0
     init_from: str | None = None
+    # When init_from's vocab mapping differs from this run's: remap lm_head rows by target id,
+    # or refuse naming both mappings.
+    init_vocab_mismatch: Literal["remap", "refuse"] = "remap"
     train_lm_head: bool = True
     log_every_steps: int = Field(10, ge=1)
+    grad_accumulation: int = Field(1, ge=1)
+    # Epoch checkpoints kept in the scratch folder (the best one is always kept on top).
+    keep_last: int | None = Field(2, ge=1)
+    # Processes (GPUs) for training; > 1 launches through torchrun.
+    nproc: int = Field(1, ge=1)
+    strategy: Literal["ddp", "fsdp"] = "ddp"
 
 
 class ExportParams(_Strict):
-    format: Literal["speculators"] = "speculators"  # "flat" (SGLang, legacy vLLM): not yet
+    # speculators: what vLLM auto-detects. flat: the legacy EAGLE-3 layout (AQ-MedAI, SGLang,
+    # older vLLM), its aux ids written in the convention of `server`.
+    format: Literal["speculators", "flat"] = "speculators"
+    server: Literal["vllm", "sglang"] = "vllm"
 
 
 class EvaluateParams(_Strict):
