@@ -14,7 +14,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export DVC_NO_ANALYTICS := 1
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: venv train repro profile test test-fast lint status metrics plots push pull bench gpu-check docker-build docker-train clean-work
+.PHONY: venv train repro profile plan test test-fast lint status metrics plots push pull bench gpu-check docker-build docker-train docker-plan docker clean-work
 
 ifdef SKIP_VENV
 venv:  # the container's environment is already installed (Dockerfile)
@@ -48,6 +48,9 @@ test: venv
 test-fast: venv
 	$(BIN)/pytest -m "not slow and not vllm" $(PYTEST_ARGS)
 
+plan: venv
+	$(BIN)/eagle3 plan
+
 lint: venv
 	$(BIN)/ruff check src tests
 
@@ -76,8 +79,9 @@ gpu-check: venv
 
 IMAGE ?= eagle3-pipeline:0.1.0
 HF_CACHE ?= $(HOME)/.cache/huggingface
+MODELS ?= /models
 DOCKER_RUN = docker run --rm --gpus all --ipc=host -u $$(id -u):$$(id -g) \
-	-v $(CURDIR):/work -v $(HF_CACHE):/cache/huggingface \
+	-v $(CURDIR):/work -v $(HF_CACHE):/cache/huggingface -v $(MODELS):/models:ro \
 	-e AWS_ACCESS_KEY_ID -e AWS_SECRET_ACCESS_KEY -e AWS_SESSION_TOKEN -e AWS_ENDPOINT_URL \
 	$(IMAGE)
 
@@ -87,6 +91,13 @@ docker-build:
 # The repo (with its .dvc/cache) and the HF cache are mounted; credentials pass by name only.
 docker-train:
 	$(DOCKER_RUN) train PROFILE=$(PROFILE)
+
+docker-plan:
+	$(DOCKER_RUN) profile plan PROFILE=$(PROFILE)
+
+# Any make target in the container, e.g. make docker ARGS="pull TARGETS=extract"
+docker:
+	$(DOCKER_RUN) $(ARGS)
 
 clean-work:
 	rm -rf data/.work

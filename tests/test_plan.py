@@ -53,6 +53,18 @@ def test_kimi_numbers_match_the_seeds_team() -> None:
     assert "57,344 B/token bf16" in text
 
 
+@pytest.mark.parametrize(("keep_last", "kept"), [(2, 3), (None, 5), (9, 5)])
+def test_checkpoint_disk_need_follows_keep_last(keep_last: int | None, kept: int) -> None:
+    params = load_params(PROFILE)
+    params.train.keep_last = keep_last  # 5 epochs in the profile
+    p = plan.make_plan(params, PROFILE, KIMI, AQ_MEDAI, tokens=1_000_000)
+    assert p.checkpoints_kept == kept
+    per_epoch = p.checkpoint_weights_bytes + p.checkpoint_optimizer_bytes
+    assert f"kept {kept} (train.keep_last + the best): {plan._size(per_epoch * kept)}" in (
+        plan.render(p)
+    )
+
+
 def test_kimi_plan_cli_prints_and_warns(capsys) -> None:
     rc = main(["plan", "--params", str(PROFILE), *KIMI_ARGS, "--tokens", "81920000"])
     out = capsys.readouterr().out

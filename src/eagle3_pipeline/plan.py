@@ -95,8 +95,16 @@ class Plan:
     checkpoint_weights_bytes: int
     checkpoint_optimizer_bytes: int
     epochs: int
+    keep_last: int | None
     max_tokens_per_batch: int
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def checkpoints_kept(self) -> int:
+        """Epoch checkpoints on disk at most: the last keep_last plus the best one."""
+        if self.keep_last is None:
+            return self.epochs
+        return min(self.epochs, self.keep_last + 1)
 
     @property
     def total_params(self) -> int:
@@ -557,6 +565,7 @@ def make_plan(
         checkpoint_weights_bytes=weights,
         checkpoint_optimizer_bytes=optimizer,
         epochs=params.train.epochs,
+        keep_last=params.train.keep_last,
         max_tokens_per_batch=params.train.max_tokens_per_batch,
         warnings=run_warnings(params, drafter, init is not None),
     )
@@ -658,7 +667,12 @@ def _cost_lines(p: Plan) -> list[str]:
             f"weights bf16 {_size(p.checkpoint_weights_bytes)} + AdamW fp32 states "
             f"{_size(p.checkpoint_optimizer_bytes)} = {_size(ckpt)} per epoch",
         ),
-        _row("", f"speculators keeps every epoch: {_size(ckpt * p.epochs)} in data/.work/train"),
+        _row(
+            "",
+            f"kept {p.checkpoints_kept} (train.keep_last + the best): "
+            f"{_size(ckpt * p.checkpoints_kept)} in data/.work/train "
+            f"(all {p.epochs} epochs: {_size(ckpt * p.epochs)})",
+        ),
     ]
     return lines
 
