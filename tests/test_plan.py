@@ -222,9 +222,16 @@ def test_init_target_vocab_mismatch(tmp_path: Path, capsys) -> None:
     _refused(capsys, PROFILE, CheckpointError, "vocab_size 128256 but the verifier's", init=init)
 
 
-def test_init_draft_vocab_mismatch(tmp_path: Path, capsys) -> None:
-    params = _profile(tmp_path, lambda p: p["vocab"].update(draft_vocab_size=16000))
+def test_init_draft_vocab_mismatch_refused_only_when_asked(tmp_path: Path, capsys) -> None:
+    def smaller(p: dict, mismatch: str) -> None:
+        p["vocab"]["draft_vocab_size"] = 16000
+        p["train"]["init_vocab_mismatch"] = mismatch
+
+    params = _profile(tmp_path, lambda p: smaller(p, "refuse"))
     _refused(capsys, params, CheckpointError, "draft_vocab_size 32000 but vocab.draft_vocab_size")
+    params = _profile(tmp_path, lambda p: smaller(p, "remap"))
+    assert main(["plan", "--params", str(params), *KIMI_ARGS]) == 0
+    assert "lm_head rows are remapped by target id" in capsys.readouterr().out
 
 
 def test_init_aux_count_mismatch(tmp_path: Path, capsys) -> None:
@@ -232,11 +239,43 @@ def test_init_aux_count_mismatch(tmp_path: Path, capsys) -> None:
     _refused(capsys, params, CheckpointError, "fc takes 3 aux layers [2, 30, 58]")
 
 
-def test_init_aux_ids_differ(tmp_path: Path, capsys) -> None:
+def test_init_aux_ids_warn_with_their_convention(tmp_path: Path, capsys) -> None:
+    """A flat file's ids mean what its trainer meant (SpecForge: output of layer k): warn."""
     init = _init(tmp_path, aux=[1, 29, 57])
-    _refused(
-        capsys, PROFILE, CheckpointError, "fc was trained on aux layers [1, 29, 57]", init=init
+    assert (
+        main(
+            [
+                "plan",
+                "--params",
+                str(PROFILE),
+                "--init-config",
+                str(init),
+                "--verifier-config",
+                str(KIMI),
+            ]
+        )
+        == 0
     )
+    out = capsys.readouterr().out
+    assert "(legacy flat) lists aux ids [1, 29, 57]" in out and "([2, 30, 58])" in out
+    ours = tmp_path / "ours" / "config.json"
+    ours.parent.mkdir()
+    ours.write_text(json.dumps(json.loads(init.read_text()) | {"eagle3_pipeline": {}}))
+    assert (
+        main(
+            [
+                "plan",
+                "--params",
+                str(PROFILE),
+                "--init-config",
+                str(ours),
+                "--verifier-config",
+                str(KIMI),
+            ]
+        )
+        == 0
+    )
+    assert "fc was trained on aux layers [1, 29, 57]" in capsys.readouterr().out
 
 
 def test_init_config_missing(tmp_path: Path, capsys) -> None:

@@ -59,6 +59,8 @@ class DrafterShape:
     norm_before_fc: bool
     fc_norm: bool = False
     config_file: Path | None = None
+    # A flat file not written by us: its aux ids follow the convention of whoever trained it.
+    legacy_flat: bool = False
 
 
 @dataclass(frozen=True)
@@ -293,6 +295,7 @@ def drafter_from_init(config: dict[str, Any], where: Path) -> DrafterShape:
         norm_before_fc=bool(norm_before_fc),
         fc_norm=bool(config.get("fc_norm", False)),
         config_file=where,
+        legacy_flat=not speculators_format and "eagle3_pipeline" not in config,
     )
 
 
@@ -340,22 +343,20 @@ def check_init(
             f"{where}: vocab_size {drafter.target_vocab_size} but the verifier's is "
             f"{verifier.vocab_size}: train.init_from must be a drafter for this verifier"
         )
-    if drafter.draft_vocab_size != params.vocab.draft_vocab_size:
+    if (
+        drafter.draft_vocab_size != params.vocab.draft_vocab_size
+        and params.train.init_vocab_mismatch == "refuse"
+    ):
         raise CheckpointError(
             f"{where}: draft_vocab_size {drafter.draft_vocab_size} but vocab.draft_vocab_size is "
-            f"{params.vocab.draft_vocab_size}: its lm_head rows cannot be reused; set "
-            f"vocab.draft_vocab_size: {drafter.draft_vocab_size}"
+            f"{params.vocab.draft_vocab_size} and train.init_vocab_mismatch is refuse: set "
+            f"vocab.draft_vocab_size: {drafter.draft_vocab_size}, or init_vocab_mismatch: remap"
         )
     init_aux = drafter.aux_layer_ids
     if init_aux is not None and len(init_aux) != len(aux):
         raise CheckpointError(
             f"{where}: fc takes {len(init_aux)} aux layers {init_aux} but layers.aux_layer_ids "
-            f"has {len(aux)} {aux}: set layers.aux_layer_ids: {init_aux}"
-        )
-    if init_aux is not None and init_aux != aux:
-        raise CheckpointError(
-            f"{where}: fc was trained on aux layers {init_aux} but layers.aux_layer_ids is {aux}: "
-            f"set layers.aux_layer_ids: {init_aux}"
+            f"has {len(aux)} {aux}: set layers.aux_layer_ids to {len(init_aux)} ids"
         )
 
 
@@ -490,7 +491,9 @@ def schedule(params: Params, total_tokens: int) -> tuple[int, int, int, int]:
 # ---- warnings (the run starts, but not as the profile intends) -------------------------------
 
 
-def run_warnings(params: Params, d: DrafterShape, has_init: bool) -> list[str]:
+def run_warnings(
+    params: Params, d: DrafterShape, has_init: bool, aux: list[int] | None = None
+) -> list[str]:
     out: list[str] = []
     t, max_len = params.train, params.tokenize.max_seq_len
     if has_init and d.norm_before_fc != TRAINER_NORM_BEFORE_FC:
@@ -498,6 +501,24 @@ def run_warnings(params: Params, d: DrafterShape, has_init: bool) -> list[str]:
             f"the init checkpoint has norm_before_fc={str(d.norm_before_fc).lower()}; export and "
             f"evaluate expect {str(TRAINER_NORM_BEFORE_FC).lower()} (drafter.SERVING_FLAGS)"
         )
+    if has_init and d.draft_vocab_size != params.vocab.draft_vocab_size:
+        out.append(
+            f"the init checkpoint's draft vocab is {d.draft_vocab_size:,}, vocab.draft_vocab_size "
+            f"{params.vocab.draft_vocab_size:,}: its lm_head rows are remapped by target id"
+        )
+    if has_init and d.aux_layer_ids is not None and aux is not None:
+        if d.legacy_flat:
+            out.append(
+                f"the init checkpoint (legacy flat) lists aux ids {d.aux_layer_ids}; SpecForge and "
+                "SGLang read a flat file's id k as the OUTPUT of layer k, i.e. vLLM's k+1 "
+                f"({[k + 1 for k in d.aux_layer_ids]}); layers.aux_layer_ids is {aux}: fc is "
+                "fine-tuned on the features params name"
+            )
+        elif d.aux_layer_ids != aux:
+            out.append(
+                f"the init checkpoint's fc was trained on aux layers {d.aux_layer_ids}, "
+                f"layers.aux_layer_ids is {aux}: fc is fine-tuned on other features"
+            )
     if params.extract.max_tokens_per_batch < max_len:
         out.append(
             f"extract.max_tokens_per_batch={params.extract.max_tokens_per_batch} < "
@@ -567,7 +588,7 @@ def make_plan(
         epochs=params.train.epochs,
         keep_last=params.train.keep_last,
         max_tokens_per_batch=params.train.max_tokens_per_batch,
-        warnings=run_warnings(params, drafter, init is not None),
+        warnings=run_warnings(params, drafter, init is not None, aux),
     )
 
 
