@@ -1,7 +1,10 @@
-"""Stage `export`: the drafter directory vLLM loads (speculators format), checked by loading it.
+"""Stage `export`: the drafter directory a server loads, checked by loading it back.
 
-Config flags are written once, here, from the same params the trainer used; the verifier is named
-by the params' identity (hub id or repo-relative path), never by an absolute path.
+`export.format: speculators` (default) writes speculators' own layout, which vLLM auto-detects;
+`flat` writes the legacy EAGLE-3 layout (flat_format.py) that SGLang and older vLLM load, its
+aux-layer ids in the convention of `export.server`. Config flags are written once, here, from
+the same params the trainer used; the verifier is named by the params' identity (hub id or
+repo-relative path), never by an absolute path.
 """
 
 from __future__ import annotations
@@ -10,8 +13,11 @@ import json
 import shutil
 from pathlib import Path
 
-from eagle3_pipeline import atomic, drafter
+import torch
+
+from eagle3_pipeline import atomic, drafter, flat_format
 from eagle3_pipeline import verifier as vf
+from eagle3_pipeline.errors import CheckpointError
 from eagle3_pipeline.layers import resolve_layer_ids
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
@@ -26,28 +32,64 @@ def run(params: Params) -> None:
     n_layers, _, _ = vf.shape(vf.read_config(params.verifier.path))
     aux, final = resolve_layer_ids(params.layers, n_layers)
     ident = vf.identity(params)
+    fmt, server = params.export.format, params.export.server
     expected = drafter.expected_config(aux, params.vocab.draft_vocab_size, params.verifier.path)
     drafter.check_config(INPUT_DIR, expected)
-    config = json.loads((INPUT_DIR / "config.json").read_text())
-    config.pop("auto_map", None)  # speculators' class is registered; no remote code needed
-    config["speculators_config"]["verifier"]["name_or_path"] = ident["name_or_path"]
-    config["eagle3_pipeline"] = {
+    record = {
         "verifier": ident,
         "aux_layer_ids": aux,
         "final_layer_id": final,
-        "layer_convention": "vllm",
+        # The convention of the ids written in this directory's config.json.
+        "layer_convention": server if fmt == "flat" else "vllm",
         "num_speculative_tokens": params.evaluate.num_speculative_tokens,
     }
     with atomic.replace_dir(OUTPUT_DIR) as tmp:
-        shutil.copy2(INPUT_DIR / "model.safetensors", tmp / "model.safetensors")
-        atomic.write_json(tmp / "config.json", config)
+        if fmt == "flat":
+            flat_format.write_flat(INPUT_DIR, tmp, server, {"eagle3_pipeline": record})
+        else:
+            config = json.loads((INPUT_DIR / "config.json").read_text())
+            config.pop("auto_map", None)  # speculators' class is registered; no remote code
+            config["speculators_config"]["verifier"]["name_or_path"] = ident["name_or_path"]
+            config["eagle3_pipeline"] = record
+            shutil.copy2(INPUT_DIR / "model.safetensors", tmp / "model.safetensors")
+            atomic.write_json(tmp / "config.json", config)
     model = drafter.load_drafter(OUTPUT_DIR)
+    if fmt == "flat":
+        check_same_tensors(INPUT_DIR, OUTPUT_DIR)
     d2t, t2d = drafter.load_mapping(VOCAB_DIR)
     drafter.check_mapping(model, d2t, t2d, OUTPUT_DIR)
     drafter.check_config(OUTPUT_DIR, expected | {"verifier_name_or_path": ident["name_or_path"]})
     n_params = sum(p.numel() for p in model.parameters())
+    if fmt == "flat":
+        written = json.loads((OUTPUT_DIR / "config.json").read_text())["eagle_config"]
+        layout = (
+            f"flat format for {server} (eagle_config aux ids "
+            f"{written['eagle_aux_hidden_state_layer_ids']} in {server}'s convention = our {aux})"
+        )
+    else:
+        layout = f"speculators format, aux {aux}"
     log(
         STAGE,
-        f"{OUTPUT_DIR}: speculators format, {n_params:,} params, aux {aux}, draft vocab "
+        f"{OUTPUT_DIR}: {layout}, {n_params:,} params, draft vocab "
         f"{params.vocab.draft_vocab_size}; loaded back and checked",
     )
+
+
+def check_same_tensors(src: Path, flat: Path) -> None:
+    """Every tensor of the trained checkpoint, bit for bit, under its flat name; nothing else."""
+    from safetensors.torch import load_file
+
+    want = load_file(str(src / "model.safetensors"))
+    got = flat_format.open_checkpoint(flat)
+    if sorted(want) != got.names():
+        raise CheckpointError(
+            f"{flat}/model.safetensors holds {got.names()} but {src} holds {sorted(want)}: "
+            "re-run the export stage"
+        )
+    for name, tensor in want.items():
+        other = got.tensor(name)
+        if other.dtype != tensor.dtype or not torch.equal(other, tensor):
+            raise CheckpointError(
+                f"{flat}/model.safetensors: {flat_format.flat_tensor_name(name)} differs from "
+                f"{src}'s {name}: re-run the export stage"
+            )
