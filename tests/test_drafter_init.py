@@ -240,8 +240,8 @@ def test_real_training_starts_from_legacy_checkpoint(
         "on_metrics": None,
     }
     lines: list[str] = []
-    with di.init_from_checkpoint(legacy["same"], "refuse", save_dir, lines.append):
-        sc.run_training(**kwargs)
+    kwargs |= {"init_from": legacy["same"], "init_vocab_mismatch": "refuse"}
+    sc.run_training(**kwargs, on_init_line=lines.append)
     assert any("loaded 13 tensors" in line for line in lines)
     trained = load_file(str(save_dir / "0" / "model.safetensors"))
     ckpt = load_file(str(legacy["same"] / "model.safetensors"))
@@ -250,8 +250,7 @@ def test_real_training_starts_from_legacy_checkpoint(
         assert torch.equal(trained[name], tensor), name
 
     lines.clear()
-    with di.init_from_checkpoint(legacy["same"], "refuse", save_dir, lines.append):
-        sc.run_training(**(kwargs | {"epochs": 2}))
+    sc.run_training(**(kwargs | {"epochs": 2}), on_init_line=lines.append)
     assert lines and "resuming from" in lines[0]
     assert (save_dir / "1" / "model.safetensors").is_file()
 

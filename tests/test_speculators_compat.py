@@ -275,3 +275,91 @@ def test_noise_changes_training_and_stays_reproducible(
     from speculators.models.eagle3.core import Eagle3DraftModel
 
     assert Eagle3DraftModel.forward.__name__ == "forward"  # the patch was undone
+
+
+def _fake_epoch(save_dir: Path, epoch: int, *, complete: bool, val_loss: float | None) -> None:
+    d = save_dir / str(epoch)
+    d.mkdir(parents=True)
+    (d / "model.safetensors").write_bytes(b"x")
+    if val_loss is not None:
+        (d / "val_metrics.json").write_text(json.dumps({"loss_epoch": val_loss}))
+    (save_dir / f"epoch{epoch}_end").symlink_to(str(epoch))
+    if complete:
+        (d / sc.COMPLETE_MARKER).write_text("{}")
+
+
+def test_discard_incomplete_keeps_only_marked_epochs(tmp_path: Path) -> None:
+    save = tmp_path / "ckpt"
+    _fake_epoch(save, 0, complete=True, val_loss=0.5)
+    _fake_epoch(save, 1, complete=True, val_loss=0.4)
+    _fake_epoch(save, 2, complete=False, val_loss=0.3)  # killed before its marker
+    (save / "interrupted").mkdir()
+    (save / "checkpoint_best").symlink_to("2")
+    removed = sc.discard_incomplete(save)
+    assert set(removed) == {"2", "interrupted", "epoch2_end", "checkpoint_best"}
+    assert sc.complete_epochs(save) == [0, 1]
+    assert sorted(p.name for p in save.iterdir()) == [
+        "0",
+        "1",
+        "checkpoint_best",
+        "epoch0_end",
+        "epoch1_end",
+    ]
+    assert sc.best_checkpoint(save) == save / "1"  # re-pointed to the best complete epoch
+    assert sc.discard_incomplete(save) == []
+
+
+def test_prune_keeps_last_and_best(tmp_path: Path) -> None:
+    save = tmp_path / "ckpt"
+    for epoch, loss in enumerate([0.5, 0.2, 0.4, 0.3, 0.35]):
+        _fake_epoch(save, epoch, complete=epoch < 4, val_loss=loss)
+    (save / "checkpoint_best").symlink_to("1")
+    sc._prune(save, keep_last=2)
+    assert sc.complete_epochs(save) == [1, 2, 3]  # best (1) + the newest two complete
+    assert (save / "4").is_dir()  # incomplete: not the pruner's business
+    assert not (save / "epoch0_end").is_symlink()
+    sc._prune(save, keep_last=1)
+    assert sc.complete_epochs(save) == [1, 3]
+
+
+def test_torchrun_command() -> None:
+    cmd = sc.torchrun_command(2, "eagle3_pipeline.stages.train", ["--worker", "p.json"])
+    assert cmd[1:] == [
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "eagle3_pipeline.stages.train", "--worker", "p.json",
+    ]  # fmt: skip
+
+
+def test_run_training_rejects_bad_knobs(inputs: dict[str, Any], tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="grad_accumulation"):
+        _train(inputs, tmp_path, grad_accumulation=0)
+    with pytest.raises(ValueError, match="keep_last"):
+        _train(inputs, tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="torchrun"):
+        _train(inputs, tmp_path, fsdp=True)
+
+
+@pytest.mark.slow
+def test_grad_accumulation_steps_every_nth_batch(inputs: dict[str, Any], tmp_path: Path) -> None:
+    """N=3: one optimizer and scheduler step per 3 micro-batches (and the epoch's last one)."""
+    counts = {}
+    for n in (1, 3):
+        run = tmp_path / f"acc{n}"
+        run.mkdir()
+        metrics = _train(inputs, run, grad_accumulation=n, total_seq_len=128)
+        train = [m for _, m in metrics if "train" in m]
+        stepped = [i for i, m in enumerate(train) if "grad_norm" in m]
+        assert all(math.isfinite(train[i]["grad_norm"]) for i in stepped)
+        assert stepped == [i for i in range(len(train)) if (i + 1) % n == 0 or i + 1 == len(train)]
+        optimizer = torch.load(run / "ckpt" / "0" / "optimizer_state_dict.pt")
+        scheduler = torch.load(run / "ckpt" / "0" / "scheduler_state_dict.pt")
+        steps = {int(s["step"]) for s in optimizer["state"].values()}
+        counts[n] = (len(train), steps, scheduler["last_epoch"])
+        # lr is logged per micro-batch: constant within a group of n
+        lrs = [m["lr"] for m in train]
+        assert all(lrs[i] == lrs[i - i % n] for i in range(len(lrs)))
+    batches = counts[1][0]
+    assert batches >= 4 and counts[3][0] == batches
+    assert counts[1][1:] == ({batches}, batches)
+    groups = math.ceil(batches / 3)
+    assert counts[3][1:] == ({groups}, groups)
