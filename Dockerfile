@@ -11,7 +11,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
     HF_HOME=/cache/huggingface \
     DVC_NO_ANALYTICS=1 \
     VENV=/opt/venv \
-    SKIP_VENV=1
+    SKIP_VENV=1 \
+    PYTHONPATH=/work/src
 
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
@@ -32,6 +33,7 @@ RUN useradd --create-home --uid 1000 eagle3 \
 USER 1000
 WORKDIR /work
 
-# The repo is mounted at /work; `make train`, `make test`, or any dvc command.
+# The repo is mounted at /work; `make train`, `make test`, or any dvc command. PYTHONPATH makes
+# the stages run the mounted src/ (the code dvc.yaml hashes), not the copy installed above.
 ENTRYPOINT ["make"]
 CMD ["train"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,35 +41,84 @@ def _merge(base: dict, over: dict) -> dict:
     return base
 
 
-def _env() -> dict[str, str]:
+def _env(repo: Path | None = None) -> dict[str, str]:
+    """The venv's tools; stages import the code of the repo they run in, not the editable install
+    (its files may change while a run takes minutes, and dvc.lock hashes the repo's own copy)."""
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     env.update(DVC_NO_ANALYTICS="1", HF_HUB_OFFLINE="1")
+    if repo is not None and (repo / "src/eagle3_pipeline").is_dir():
+        env["PYTHONPATH"] = str(repo / "src")
     return env
 
 
 def _run(repo: Path, *cmd: str) -> str:
-    proc = subprocess.run(cmd, cwd=repo, env=_env(), capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=repo, env=_env(repo), capture_output=True, text=True)
     assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout + proc.stderr
 
 
-@pytest.fixture(scope="module")
-def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    repo = tmp_path_factory.mktemp("e2e") / "repo"
-    files = subprocess.run(
-        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
+def make_repo(repo: Path, overrides: dict) -> Path:
+    """A fresh git repo holding the project's tracked files, params shrunk by `overrides`."""
+    files = subprocess.run(  # tracked and new (not ignored) files: the working tree's code
+        ["git", "ls-files", "-co", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     for f in files:
+        if not (REPO / f).is_file():
+            continue  # deleted in the working tree, not yet committed
         (repo / f).parent.mkdir(parents=True, exist_ok=True)
         (repo / f).write_bytes((REPO / f).read_bytes())
-    params = _merge(yaml.safe_load((repo / "params.yaml").read_text()), SMALL)
+    params = _merge(yaml.safe_load((repo / "params.yaml").read_text()), overrides)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     _run(repo, "git", "init", "-q")
-    _run(repo, "git", "add", "-A")
-    _run(repo, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
-    _run(repo, "dvc", "repro")
+    commit(repo, "init")
     return repo
+
+
+def commit(repo: Path, message: str) -> str:
+    _run(repo, "git", "add", "-A")
+    who = ("-c", "user.name=t", "-c", "user.email=t@t")
+    _run(repo, "git", *who, "commit", "-qm", message, "--allow-empty")
+    return _run(repo, "git", "rev-parse", "HEAD").strip()
+
+
+def session_run(tmp_path_factory: pytest.TempPathFactory, name: str, overrides: dict) -> Path:
+    """The pipeline run once per test session, shared by every module that asks for `name`.
+
+    Module fixtures of different files are separate objects; the session's base temp folder and
+    a marker written after a successful `dvc repro` make them share one run.
+    """
+    repo = tmp_path_factory.getbasetemp() / name / "repo"
+    done = repo.parent / "repro-done"
+    if done.is_file():
+        return repo
+    if repo.parent.exists():
+        shutil.rmtree(repo.parent)
+    # For iterating on the slow tests: EAGLE3_E2E_REUSE=<dir> copies a finished <dir>/<name>/
+    # (a previous session's basetemp) instead of running the DAG again; the copy keeps its links.
+    reuse = Path(os.environ.get("EAGLE3_E2E_REUSE", "/nonexistent")) / name
+    if (reuse / "repro-done").is_file():
+        subprocess.run(["cp", "-a", str(reuse), str(repo.parent)], check=True)
+        return repo
+    repo.mkdir(parents=True)
+    make_repo(repo, overrides)
+    _run(repo, "dvc", "repro")
+    done.write_text("ok\n")
+    return repo
+
+
+def tiny_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shrunken default pipeline (vLLM backends, online evaluation) run by `dvc repro`."""
+    return session_run(tmp_path_factory, "e2e", SMALL)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_pipeline(tmp_path_factory)
 
 
 def test_store_shapes_and_layer_ids(pipeline: Path) -> None:
@@ -151,3 +201,133 @@ def test_second_repro_is_noop_and_deps_are_per_stage(pipeline: Path) -> None:
         assert ran == {"train", "export", "evaluate"}
     finally:
         train_py.write_text(original)
+
+
+def _stages() -> list[str]:
+    return list(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"])
+
+
+def lock_outs(repo: Path) -> dict[str, str]:
+    """{output path: md5} of every stage output in dvc.lock."""
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    return {o["path"]: o["md5"] for s in lock["stages"].values() for o in s.get("outs", [])}
+
+
+def test_every_stage_records_provenance_outside_the_outputs(pipeline: Path) -> None:
+    init = _run(pipeline, "git", "rev-list", "--max-parents=0", "HEAD").strip()
+    records = {
+        s: json.loads((pipeline / f"metrics/provenance/{s}.json").read_text()) for s in _stages()
+    }
+    for stage, rec in records.items():
+        assert rec["stage"] == stage and rec["dvc_stage"] == stage
+        assert rec["git_commit"] == init
+        # dvc.lock and metrics/ were rewritten by earlier stages: still a clean checkout
+        assert rec["git_dirty"] is False, rec["git_dirty_files"]
+        assert rec["experiment"] is None and rec["params_changed_vs_commit"] == {}
+        assert {"torch", "transformers", "speculators", "dvc"} <= set(rec["versions"])
+    assert len({r["params_sha256"] for r in records.values()}) == 1
+    assert "provenance" not in (pipeline / "dvc.lock").read_text()
+    shown = subprocess.run(
+        ["eagle3", "provenance", "models/drafter/config.json"],
+        cwd=pipeline,
+        env=_env(pipeline),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert json.loads(shown) == records["export"]
+
+
+def test_a_new_commit_reruns_nothing(pipeline: Path) -> None:
+    before = lock_outs(pipeline)
+    commit(pipeline, "the run: dvc.lock, metrics, provenance")
+    commit(pipeline, "an unrelated later commit")
+    assert "Data and pipelines are up to date" in _run(pipeline, "dvc", "status")
+    assert "Running stage" not in _run(pipeline, "dvc", "repro")
+    assert lock_outs(pipeline) == before
+
+
+def _files_holding(root: Path, needles: list[bytes], paths: list[str]) -> list[str]:
+    hits = []
+    for rel in paths:
+        top = root / rel
+        for f in [top] if top.is_file() else sorted(p for p in top.rglob("*") if p.is_file()):
+            data = f.read_bytes()
+            hits += [f"{f.relative_to(root)}: {n.decode()}" for n in needles if n in data]
+    return hits
+
+
+def test_no_output_holds_an_absolute_path(pipeline: Path) -> None:
+    needles = [str(pipeline).encode(), str(pipeline.parent).encode(), str(REPO).encode()]
+    outs = [*lock_outs(pipeline), "metrics/eval.json", "metrics/vocab.json", "metrics/train.json"]
+    assert _files_holding(pipeline, needles, outs) == []
+    cfg = json.loads((pipeline / "models/drafter/config.json").read_text())
+    assert cfg["eagle3_pipeline"]["verifier"]["name_or_path"] == "data/verifier"
+    # speculators' argv record stays in the scratch folder, with the paths as passed (relative)
+    argv = (pipeline / "data/.work/train/checkpoints/train_command.txt").read_text()
+    assert "--verifier-name-or-path data/verifier" in argv
+    assert [f for o in outs[:-3] for f in (pipeline / o).rglob("train_command.txt")] == []
+    probe = pipeline / "data/.work/probe.txt"  # the scanner does find a path where there is one
+    probe.write_text(f"x {pipeline}/data/verifier x")
+    assert _files_holding(pipeline, needles, ["data/.work/probe.txt"])
+    probe.unlink()
+
+
+# Recomputed from scratch in a second folder. generate, extract and evaluate start vLLM servers or
+# engines (minutes each on 2 CPU cores) and are left out to keep the suite's time budget.
+RERUN = ("verifier", "prepare", "tokenize", "vocab", "train", "export")
+# Wall-clock measurements inside a DVC output: they differ on every run (README, "Determinism").
+WALL_CLOCK = {
+    "metrics/train/metrics.json": ("train", "tokens_per_s"),
+    "metrics/train/plots/metrics/train/tokens_per_s.tsv": None,
+}
+
+
+def _files_of(root: Path, out: str) -> set[Path]:
+    top = root / out
+    return {Path(out)} if top.is_file() else {p.relative_to(root) for p in top.rglob("*")}
+
+
+def _differing_files(a: Path, b: Path, outs: list[str]) -> list[str]:
+    """Files of `outs` present in one tree only, or with different bytes."""
+    diff: set[Path] = set()
+    for out in outs:
+        fa, fb = _files_of(a, out), _files_of(b, out)
+        diff |= fa ^ fb
+        diff |= {
+            f for f in fa & fb if (a / f).is_file() and (a / f).read_bytes() != (b / f).read_bytes()
+        }
+    return sorted(str(f) for f in diff)
+
+
+def _same_but_wall_clock(a: Path, b: Path, rel: str) -> bool:
+    key = WALL_CLOCK[rel]
+    if key is None:
+        return True
+    ja, jb = (json.loads((r / rel).read_text()) for r in (a, b))
+    for doc in (ja, jb):
+        doc[key[0]].pop(key[1], None)
+    return ja == jb
+
+
+def test_rerun_from_scratch_in_another_folder_gives_the_same_hashes(
+    pipeline: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Determinism and portability at once: a clone elsewhere recomputes byte-equal outputs."""
+    commit(pipeline, "the run")
+    clone = tmp_path_factory.mktemp("elsewhere") / "a-clone-in-a-longer-folder-name"
+    _run(pipeline, "git", "clone", "-q", str(pipeline), str(clone))
+    # the teammate's cache provides the vLLM stages' outputs; recomputed ones never touch it
+    _run(clone, "dvc", "cache", "dir", "--local", str(pipeline / ".dvc/cache"))
+    _run(clone, "dvc", "checkout")
+    out = _run(clone, "dvc", "repro", "--force", "--single-item", *RERUN)
+    assert all(f"Running stage '{s}'" in out for s in RERUN)
+    a, b = lock_outs(pipeline), lock_outs(clone)
+    differ = sorted(p for p in a if a[p] != b.get(p))
+    files = _differing_files(pipeline, clone, differ)
+    assert set(files) <= set(WALL_CLOCK), f"outputs differ between two runs: {differ}: {files}"
+    assert all(_same_but_wall_clock(pipeline, clone, f) for f in files)
+    assert set(differ) <= {"metrics/train"}  # nothing downstream reads it: nothing reruns
+    assert "Data and pipelines are up to date" in _run(clone, "dvc", "status")
+    needles = [str(clone).encode(), str(clone.parent).encode()]
+    assert _files_holding(clone, needles, [*b, "metrics/vocab.json", "metrics/train.json"]) == []
