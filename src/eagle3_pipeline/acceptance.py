@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from eagle3_pipeline.errors import VerifierError
+
 
 @dataclass
 class AcceptanceCounts:
@@ -47,23 +49,45 @@ class AcceptanceCounts:
 
 
 class VerifierHead:
-    """The verifier's final norm + lm_head, read straight from its safetensors files."""
+    """The verifier's final norm + lm_head, read straight from its safetensors files.
+
+    Tensors are found by name suffix, as speculators' trainer finds them (`load_model_layers`),
+    so both read the same ones: `model.norm.weight` / `lm_head.weight` in a causal LM,
+    `language_model.model.norm.weight` / `language_model.lm_head.weight` in Kimi-K2.5's wrapper.
+    """
+
+    SUFFIXES = {"norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+    TIED = "embed_tokens.weight"  # lm_head of a model with tied embeddings
 
     def __init__(self, verifier_dir: str | Path, rms_norm_eps: float) -> None:
-        wanted = {"model.norm.weight": "norm", "lm_head.weight": "lm_head"}
-        found: dict[str, torch.Tensor] = {}
-        for f in sorted(Path(verifier_dir).glob("*.safetensors")):
+        files = sorted(Path(verifier_dir).glob("*.safetensors"))
+        keys: dict[str, Path] = {}
+        for f in files:
             with safe_open(str(f), framework="pt") as fh:
-                for key in set(wanted) & set(fh.keys()):
-                    found[wanted[key]] = fh.get_tensor(key).float()
-        if "lm_head" not in found:  # tied embeddings
-            for f in sorted(Path(verifier_dir).glob("*.safetensors")):
-                with safe_open(str(f), framework="pt") as fh:
-                    if "model.embed_tokens.weight" in fh.keys():  # noqa: SIM118 (safe_open is no mapping)
-                        found["lm_head"] = fh.get_tensor("model.embed_tokens.weight").float()
+                keys |= dict.fromkeys(fh.keys(), f)
+        found: dict[str, torch.Tensor] = {}
+        for name, suffix in self.SUFFIXES.items():
+            key = self._find(keys, suffix) or (
+                self._find(keys, self.TIED) if name == "lm_head" else None
+            )
+            if key is None:
+                raise VerifierError(
+                    f"{verifier_dir}: no tensor named *{suffix} in its safetensors files: "
+                    "is verifier.path a causal language model with safetensors weights?"
+                )
+            with safe_open(str(keys[key]), framework="pt") as fh:
+                found[name] = fh.get_tensor(key).float()
         self.norm_weight = found["norm"]
         self.lm_head = found["lm_head"]
         self.eps = rms_norm_eps
+
+    @staticmethod
+    def _find(keys: dict[str, Path], suffix: str) -> str | None:
+        """The key equal to `suffix`, else the shortest one ending in `.suffix`."""
+        if suffix in keys:
+            return suffix
+        matches = sorted((k for k in keys if k.endswith("." + suffix)), key=len)
+        return matches[0] if matches else None
 
     def greedy(self, final_hidden: torch.Tensor) -> torch.Tensor:
         h = final_hidden.float()

@@ -41,6 +41,21 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def is_multimodal_wrapper(config: dict[str, Any]) -> bool:
+    """The language model sits under a wrapper's key (Kimi-K2.5): transformers loads it as an
+    image-text-to-text model, and vLLM should build it text-only (--language-model-only)."""
+    return text_config(config) is not config
+
+
+def language_model_only(path: str | Path) -> bool:
+    """Whether vLLM should serve the verifier at `path` text-only (a multimodal wrapper).
+
+    False when there is no local config.json to read (a hub id vLLM resolves itself)."""
+    if not (Path(path) / "config.json").is_file():
+        return False
+    return is_multimodal_wrapper(read_config(path))
+
+
 def shape(config: dict[str, Any]) -> tuple[int, int, int]:
     """(num_hidden_layers, hidden_size, vocab_size) of the text model."""
     tc = text_config(config)
@@ -99,11 +114,15 @@ def load_tokenizer(params: Params):  # -> PreTrainedTokenizerBase
 
 def load_model(params: Params, dtype: str = "auto"):  # -> PreTrainedModel
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = read_config(params.verifier.path)
     check_remote_code(params, config)
-    model = AutoModelForCausalLM.from_pretrained(
+    # A wrapper without remote code (transformers' own Kimi_K25) is no *ForCausalLM; its
+    # image-text-to-text class takes text alone and has generate() and lm_head all the same.
+    native_wrapper = is_multimodal_wrapper(config) and not needs_remote_code(config)
+    auto = AutoModelForImageTextToText if native_wrapper else AutoModelForCausalLM
+    model = auto.from_pretrained(
         params.verifier.path,
         revision=params.verifier.revision,
         trust_remote_code=params.verifier.trust_remote_code,

@@ -31,7 +31,7 @@ from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.errors import DataError, VerifierError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
-from eagle3_pipeline.vllm_server import server_env
+from eagle3_pipeline.vllm_server import patch_cpu_kernel_rebind, server_env
 
 GPU_CONNECTOR = "ExampleHiddenStatesConnector"
 _VLLM_DTYPES = {"float32", "bfloat16", "float16"}
@@ -49,7 +49,12 @@ def engine_dtype(config: dict[str, Any]) -> str:
     vLLM's "auto" downcasts a float32 checkpoint to bf16; the two backends would then compute
     different tensors (DESIGN: they must agree).
     """
-    dtype = str(vf.text_config(config).get("dtype") or config.get("torch_dtype") or "auto")
+    dtype = str(
+        vf.text_config(config).get("dtype")
+        or config.get("dtype")
+        or config.get("torch_dtype")
+        or "auto"
+    )
     return dtype if dtype in _VLLM_DTYPES else "auto"
 
 
@@ -84,6 +89,22 @@ def engine_overrides(extra_args: list[str]) -> dict[str, Any]:
     return {k: v for k, v in vars(given).items() if v != defaults.get(k)}
 
 
+# vLLM 0.32's DeepSeek-V2/V3 model (Kimi-K2.5's text model too) sums `hidden_states + residual`
+# at an aux id before the first layer has made a residual: id 0 fails in the engine with
+# `TypeError: unsupported operand type(s) for +: 'Tensor' and 'NoneType'`.
+_NO_ID_ZERO = {"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2"}
+
+
+def check_layer_ids(config: dict[str, Any], layer_ids: list[int]) -> None:
+    """Refuse, before vLLM's slow start, the ids its model for this verifier cannot capture."""
+    model_type = vf.text_config(config).get("model_type")
+    if 0 in layer_ids and model_type in _NO_ID_ZERO:
+        raise VerifierError(
+            f"layers.aux_layer_ids contains 0 (the embeddings), which vLLM cannot capture for "
+            f"{model_type} models: use ids >= 1, or extract.backend: hf"
+        )
+
+
 def engine_kwargs(params: Params, layer_ids: list[int], storage_dir: Path) -> dict[str, Any]:
     """Arguments of vllm.LLM for extraction; vllm.extra_args may override all but `required`.
 
@@ -92,16 +113,19 @@ def engine_kwargs(params: Params, layer_ids: list[int], storage_dir: Path) -> di
     """
     v = params.vllm
     ordered, _ = vllm_layer_order(layer_ids)
+    config = vf.read_config(params.verifier.path)
+    check_layer_ids(config, layer_ids)
     defaults = {
         "model": params.verifier.path,
         "revision": params.verifier.revision,
         "trust_remote_code": params.verifier.trust_remote_code,
-        "dtype": engine_dtype(vf.read_config(params.verifier.path)),
+        "dtype": engine_dtype(config),
         "max_model_len": v.max_model_len,
         "max_num_batched_tokens": max(v.max_model_len, params.extract.max_tokens_per_batch),
         "enforce_eager": v.enforce_eager,
         "tensor_parallel_size": v.tensor_parallel_size,
         "seed": params.seed,
+        "language_model_only": vf.is_multimodal_wrapper(config),  # hidden states of text only
     }
     required = {
         "enable_prefix_caching": False,
@@ -187,6 +211,7 @@ class HiddenStateEngine:
         self._sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         clear_dir(storage_dir)
         log("extract", f"starting vLLM (extract_hidden_states, layer ids {layer_ids})")
+        patch_cpu_kernel_rebind()
         with _engine_env():
             self.llm = LLM(**engine_kwargs(params, layer_ids, storage_dir))
 

@@ -5,6 +5,8 @@ stopped (SIGTERM, then SIGKILL) and reaped when the `with` block ends for any re
 Ctrl-C and SIGTERM sent to the stage. A SIGKILLed stage runs no cleanup at all, so the server is
 started under a small watchdog (`python -m eagle3_pipeline.vllm_server --watch -- CMD`) that kills
 the group when its stdin, a pipe only the stage holds, closes: no server is ever left behind.
+The server itself is started through `python -m eagle3_pipeline.vllm_server --run MODULE`, which
+applies `patch_cpu_kernel_rebind` before vLLM's own entry point runs (see there why).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import runpy
 import signal
 import socket
 import subprocess
@@ -42,6 +45,8 @@ class ServerSpec:
     speculative_config: dict[str, Any] | None = None
     served_model_name: str = "verifier"
     trust_remote_code: bool = False
+    # Text only: vLLM builds no vision tower and profiles no images (multimodal verifiers).
+    language_model_only: bool = False
     ready_timeout_s: float = 600.0
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -65,11 +70,40 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def patch_cpu_kernel_rebind() -> None:
+    """Let vLLM 0.32 on CPU start when numba has been imported (Kimi-K2.5's image processor).
+
+    Without Triton, vLLM's CPU platform rebinds kernels by scanning every module namespace and
+    calling `vars(value).get(...)` on each value with a `__dict__`. llvmlite (imported with
+    numba) has an object whose `__dict__` is a ctypes function wrapper, so engine start fails
+    with `AttributeError: '_lib_fn_wrapper' object has no attribute 'get'`. The scan is made to
+    skip values whose `__dict__` is no mapping; nothing else changes. On GPU (Triton present)
+    the scan never runs.
+    """
+    from collections.abc import Mapping
+
+    from vllm.triton_utils import dispatcher
+
+    if getattr(dispatcher, "vars", None) is not None:  # already patched
+        return
+
+    def mapping_vars(obj: Any) -> Mapping:
+        found = vars(obj)
+        return found if isinstance(found, Mapping) else {}
+
+    dispatcher.vars = mapping_vars  # module global shadows the builtin inside the scan
+
+
 def command(spec: ServerSpec, port: int) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
-        "vllm.entrypoints.openai.api_server",
+        "eagle3_pipeline.vllm_server",
+        "--run",
+        VLLM_SERVER_MODULE,
         "--model",
         spec.model,
         "--served-model-name",
@@ -92,6 +126,8 @@ def command(spec: ServerSpec, port: int) -> list[str]:
         cmd += ["--speculative-config", json.dumps(spec.speculative_config)]
     if spec.trust_remote_code:
         cmd.append("--trust-remote-code")
+    if spec.language_model_only:
+        cmd.append("--language-model-only")
     return cmd + list(spec.extra_args)
 
 
@@ -222,7 +258,21 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
+def _run_vllm(module: str, args: list[str]) -> None:
+    """vLLM's entry point `module` with `args`, after the CPU patch (vLLM forks its engine and
+    workers, which inherit it)."""
+    patch_cpu_kernel_rebind()
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:3] != ["--watch", "--"] or len(sys.argv) < 4:
-        sys.exit("usage: python -m eagle3_pipeline.vllm_server --watch -- CMD [ARGS...]")
-    sys.exit(_watch(sys.argv[3:]))
+    if sys.argv[1:2] == ["--run"] and len(sys.argv) >= 3:
+        _run_vllm(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1:3] == ["--watch", "--"] and len(sys.argv) >= 4:
+        sys.exit(_watch(sys.argv[3:]))
+    else:
+        sys.exit(
+            "usage: python -m eagle3_pipeline.vllm_server --watch -- CMD [ARGS...] | "
+            "--run MODULE [ARGS...]"
+        )

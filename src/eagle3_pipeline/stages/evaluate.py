@@ -110,6 +110,7 @@ def server_spec(params: Params) -> ServerSpec:
         enforce_eager=v.enforce_eager,
         tensor_parallel_size=v.tensor_parallel_size,
         trust_remote_code=params.verifier.trust_remote_code,
+        language_model_only=vf.language_model_only(params.verifier.path),
         ready_timeout_s=v.ready_timeout_s,
         extra_args=list(v.extra_args),
     )

@@ -149,6 +149,7 @@ def server_spec(params: Params) -> vllm_server.ServerSpec:
         reasoning_parser=params.generate.reasoning_parser,
         served_model_name=SERVED_NAME,
         trust_remote_code=params.verifier.trust_remote_code,
+        language_model_only=vf.language_model_only(params.verifier.path),
         ready_timeout_s=v.ready_timeout_s,
         extra_args=(["--revision", revision] if revision else []) + list(v.extra_args),
     )
