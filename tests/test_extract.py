@@ -67,3 +67,26 @@ def test_token_budget_batches() -> None:
         assert len(b) * max(lengths[s] for s in b) <= 128
     with pytest.raises(DataError, match="max_tokens_per_batch"):
         token_budget_batches({"long": 200}, 128)
+
+
+def test_length_sorted_batches_respect_the_budget_and_pad_little() -> None:
+    """Long-tailed lengths (reasoning traces): no batch over budget, little padding."""
+    from eagle3_pipeline.stages.extract import padding_fraction
+
+    torch.manual_seed(0)
+    raw = (torch.distributions.LogNormal(6.0, 0.8).sample((500,)).clamp(max=4000) + 1).int()
+    lengths = {f"s{i:03d}": int(n) for i, n in enumerate(raw)}
+    budget = 8192
+    batches = token_budget_batches(lengths, budget)
+    assert sorted(s for b in batches for s in b) == sorted(lengths)
+    assert max(len(b) * max(lengths[s] for s in b) for b in batches) <= budget
+    sorted_pad = padding_fraction(batches, lengths)
+    # the same budget filled in arrival order, for contrast
+    arrival, cur = [], []
+    for sid in lengths:
+        if cur and (len(cur) + 1) * max(lengths[s] for s in [*cur, sid]) > budget:
+            arrival.append(cur)
+            cur = []
+        cur.append(sid)
+    arrival.append(cur)
+    assert sorted_pad < 0.05 < padding_fraction(arrival, lengths)

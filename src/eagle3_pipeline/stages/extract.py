@@ -3,7 +3,13 @@
 Batches are bounded by a token budget (padded tokens), never by a sample count: one long sample
 must not OOM a batch sized for short ones. Samples are length-sorted so padding stays small.
 Finished files accumulate in data/.work/extract/ (journaled per batch) and move into
-data/hidden_states/ by rename once all are done: a killed run redoes at most one batch.
+data/hidden_states/ by rename once all are done: a killed run redoes at most one batch, and every
+file it reuses is re-hashed first (a damaged one is extracted again, never published).
+
+`--shard i/n` extracts batches i, i+n, ... of the same plan into the same scratch folder (shared
+storage across nodes), each worker with its own journal; a plain run then reuses every shard's
+intact files, extracts whatever is still missing and publishes one store and one manifest. Before
+any work, a pre-flight compares the bytes still to write with the free space of that disk.
 
 Backends (extract.backend) differ only in how a batch's hidden states are computed: `hf` runs the
 transformers model with hooks (LayerCapture), `vllm` asks vLLM's `extract_hidden_states` method
@@ -14,13 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eagle3_pipeline import atomic, resume, store
 from eagle3_pipeline import verifier as vf
-from eagle3_pipeline.errors import DataError
+from eagle3_pipeline.errors import DataError, StoreError
 from eagle3_pipeline.layers import resolve_layer_ids
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
@@ -32,6 +40,7 @@ STAGE = "extract"
 INPUT_DIR = Path("data/tokenized")
 OUTPUT_DIR = Path("data/hidden_states")
 VLLM_FILES = "vllm"  # subfolder of the scratch dir where vLLM's connector writes its files
+JOURNAL = "entries.jsonl"  # the unsharded run's journal; shards write entries.shard-I-of-N.jsonl
 
 # A batch of token id lists -> one [seq, n_ids, hidden] tensor per sample, in layer-id order.
 BatchFn = Callable[[list[list[int]]], "list[torch.Tensor]"]
@@ -156,26 +165,96 @@ def open_backend(
 
 
 def write_batch(
-    work: Path, batch_rows: list[dict], states: list[torch.Tensor], layout: store.StoreLayout
+    work: Path,
+    batch_rows: list[dict],
+    states: list[torch.Tensor],
+    layout: store.StoreLayout,
+    skip: set[str] | frozenset[str] = frozenset(),
 ) -> list[dict]:
-    """Store one batch's samples in the scratch dir; return their journal entries."""
+    """Store one batch's samples (except those in `skip`) in the scratch dir; journal entries."""
     import torch
 
-    entries = []
-    for row, hs in zip(batch_rows, states, strict=True):
-        entry = store.write_sample(
-            work,
-            row["id"],
-            hs,
-            torch.tensor(row["input_ids"]),
-            torch.tensor(row["loss_mask"]),
-            layout,
+    todo = [(r, hs) for r, hs in zip(batch_rows, states, strict=True) if r["id"] not in skip]
+    written = store.write_samples(
+        work,
+        [
+            (r["id"], hs, torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"]))
+            for r, hs in todo
+        ],
+        layout,
+    )
+    return [
+        e | {"id": r["id"], "split": r["split"]} for (r, _), e in zip(todo, written, strict=True)
+    ]
+
+
+def shard_batches(batches: list[list[str]], shard: tuple[int, int] | None) -> list[list[str]]:
+    """Shard i of n owns batches i, i+n, i+2n, ... of the length-sorted plan of ALL samples.
+
+    Whole batches, not single ids: a sample's hidden states then come from exactly the batch an
+    unsharded run would put it in (same padding, same kernels), so n shards merge into the same
+    bytes as one run. Round-robin over length-sorted batches also gives each shard a similar
+    token count. Disjoint by construction; the plan depends only on ids and lengths.
+    """
+    if shard is None:
+        return batches
+    i, n = shard
+    return batches[i::n]
+
+
+def journal_name(shard: tuple[int, int] | None) -> str:
+    """One journal per worker, so that shards on many nodes never append to the same file."""
+    return JOURNAL if shard is None else f"entries.shard-{shard[0]}-of-{shard[1]}.jsonl"
+
+
+def reusable_entries(work: Path, wanted: set[str]) -> dict[str, dict]:
+    """Journaled samples (of any worker) whose scratch file is intact; the others are deleted.
+
+    Re-hashes each file it would reuse: a file truncated or damaged after it was journaled
+    (disk full, a bad node, a copy gone wrong) is extracted again, never moved into the store.
+    """
+    candidates: dict[str, list[dict]] = {}
+    for path in sorted(work.glob("entries*.jsonl")):
+        for e in resume.Journal(path).read():
+            if e["id"] in wanted:
+                candidates.setdefault(e["id"], []).append(e)
+    present = {sid: work / es[-1]["file"] for sid, es in candidates.items()}
+    present = {sid: p for sid, p in present.items() if p.is_file()}
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # hashlib drops the GIL
+        digests = dict(zip(present, pool.map(resume.file_sha256, present.values()), strict=True))
+    good: dict[str, dict] = {}
+    for sid, path in sorted(present.items()):
+        match = [e for e in candidates[sid] if e["sha256"] == digests[sid]]
+        if match:
+            good[sid] = match[-1]
+        else:
+            log(STAGE, f"{path}: does not match its journal entry (damaged?): extracting it again")
+            path.unlink()
+    return good
+
+
+def preflight(where: Path, num_tokens: int, layout: store.StoreLayout, headroom_gb: float) -> None:
+    """Refuse to start when the store's filesystem cannot hold what is left to write."""
+    need = num_tokens * layout.file_bytes_per_token() + headroom_gb * 1e9
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise StoreError(
+            f"{where}: extract needs {need / 1e9:,.1f} GB ({num_tokens:,} tokens x "
+            f"{layout.file_bytes_per_token():,} B/token + extract.disk_headroom_gb="
+            f"{headroom_gb:g}) but the disk has {free / 1e9:,.1f} GB free: free space, put data/ "
+            "on a larger disk, or set extract.store_dtype: fp8 (about half the bytes)"
         )
-        entries.append(entry | {"id": row["id"], "split": row["split"]})
-    return entries
 
 
-def run(params: Params) -> None:
+def padding_fraction(batches: list[list[str]], lengths: dict[str, int]) -> float:
+    """Share of a right-padded batch plan that is padding (hf backend; vLLM packs)."""
+    padded = sum(len(b) * max(lengths[s] for s in b) for b in batches)
+    real = sum(lengths[s] for b in batches for s in b)
+    return 1 - real / padded if padded else 0.0
+
+
+def run(params: Params, shard: tuple[int, int] | None = None) -> None:
+    """Extract every sample (or shard i of n of the batches); without a shard, build the store."""
     config = vf.read_config(params.verifier.path)
     n_layers, hidden, _ = vf.shape(config)
     aux, final = resolve_layer_ids(params.layers, n_layers)
@@ -188,54 +267,92 @@ def run(params: Params) -> None:
     key = resume.fingerprint(
         layout.__dict__,
         vf.files_stamp(params.verifier.path),
-        params.extract.model_dump(),
+        params.extract.model_dump(exclude={"disk_headroom_gb"}),
         resume.file_sha256(INPUT_DIR / "train.jsonl"),
         resume.file_sha256(INPUT_DIR / "val.jsonl"),
     )
     work = resume.scratch_dir(STAGE, key)
-    journal = resume.Journal(work / "entries.jsonl")
-    entries = {e["id"]: e for e in journal.read() if (work / e["file"]).exists()}
-    batches = token_budget_batches(
-        {i: len(r["input_ids"]) for i, r in rows.items()}, params.extract.max_tokens_per_batch
+    lengths = {i: len(r["input_ids"]) for i, r in rows.items()}
+    max_tokens = params.extract.max_tokens_per_batch
+    mine = shard_batches(token_budget_batches(lengths, max_tokens), shard)
+    entries = reusable_entries(work, {s for b in mine for s in b})
+    todo = [b for b in mine if not all(i in entries for i in b)]
+    missing = {s for b in todo for s in b if s not in entries}
+    for sid in missing:  # temp files of a killed run; batches are disjoint between workers
+        for tmp in work.glob(f".{store.sample_filename(sid)}.*.tmp"):
+            tmp.unlink()
+    total_tokens = sum(lengths[s] for b in mine for s in b)
+    done_tokens = total_tokens - sum(lengths[s] for s in missing)
+    who = "" if shard is None else f"shard {shard[0]}/{shard[1]}: "
+    pad = padding_fraction(mine, lengths)
+    largest = max((len(b) * max(lengths[s] for s in b) for b in mine), default=0)
+    log(
+        STAGE,
+        f"{who}{sum(len(b) for b in mine)} samples in {len(mine)} batches of <= {max_tokens} "
+        f"padded tokens (largest {largest}), "
+        f"{_padding_note(params.extract.backend, pad)}; {len(missing)} samples to extract",
     )
-    todo = [b for b in batches if not all(i in entries for i in b)]
-    total_tokens = sum(len(r["input_ids"]) for r in rows.values())
-    done_tokens = total_tokens - sum(len(rows[i]["input_ids"]) for b in todo for i in b)
-    progress = Progress(STAGE, total_tokens, unit="tok", already_done=done_tokens)
-    if params.extract.backend == "vllm":  # refuse before the engine's slow start
+    if params.extract.backend == "vllm" and todo:  # refuse before the engine's slow start
         from eagle3_pipeline.vllm_extract import check_prompt_lengths
 
-        check_prompt_lengths(
-            {i: len(rows[i]["input_ids"]) for b in todo for i in b}, params.vllm.max_model_len
-        )
-    padded = real = 0
+        check_prompt_lengths({i: lengths[i] for b in todo for i in b}, params.vllm.max_model_len)
     if todo:
-        with open_backend(params, layout.layer_ids, work) as run_batch:
+        preflight(work, sum(lengths[s] for s in missing), layout, params.extract.disk_headroom_gb)
+        progress = Progress(STAGE, total_tokens, unit="tok", already_done=done_tokens)
+        journal = resume.Journal(work / journal_name(shard))
+        backend_dir = work if shard is None else work / f"shard-{shard[0]}-of-{shard[1]}"
+        with open_backend(params, layout.layer_ids, backend_dir) as run_batch:
             for batch in todo:
                 ids = [rows[i]["input_ids"] for i in batch]
-                new = write_batch(work, [rows[i] for i in batch], run_batch(ids), layout)
+                new = write_batch(
+                    work, [rows[i] for i in batch], run_batch(ids), layout, skip=set(entries)
+                )
                 journal.append(new)
                 entries.update({e["id"]: e for e in new})
-                progress.advance(sum(len(x) for x in ids))
-                padded += len(ids) * max(len(x) for x in ids)
-                real += sum(len(x) for x in ids)
+                progress.advance(sum(lengths[i] for i in batch if i in missing))
+    if shard is not None:
+        log(
+            STAGE,
+            f"{who}done ({total_tokens:,} tokens in {work}); when every shard is done, "
+            "`eagle3 extract` (or `dvc repro extract`) merges them into the store",
+        )
+        return
+    _publish(work, rows, entries, layout)
+    gb = sum(lengths.values()) * layout.bytes_per_token() / 1e9
+    log(
+        STAGE,
+        f"{len(rows)} samples, {sum(lengths.values()):,} tokens, layers {layout.layer_ids}, "
+        f"{layout.dtype} {layout.bytes_per_token():,} B/token, {gb:.3f} GB -> {OUTPUT_DIR}",
+    )
+
+
+def _publish(work: Path, rows: dict, entries: dict[str, dict], layout: store.StoreLayout) -> None:
+    """Move the scratch files into the output whole, then forget the scratch work.
+
+    Files are hardlinked into the new output and unlinked from scratch only after the output is
+    in place, so a kill at any moment leaves either the old store or the new one, and the
+    scratch work to rebuild it.
+    """
+    for stale in OUTPUT_DIR.parent.glob(f".{OUTPUT_DIR.name}.*.tmp"):  # a killed publish
+        shutil.rmtree(stale, ignore_errors=True)
     with atomic.replace_dir(OUTPUT_DIR) as tmp:
         for sid in rows:
-            os.replace(work / entries[sid]["file"], tmp / entries[sid]["file"])
+            name = entries[sid]["file"]
+            try:
+                os.link(work / name, tmp / name)
+            except OSError:  # a filesystem without hardlinks: move instead
+                os.replace(work / name, tmp / name)
         store.write_manifest(
             tmp, layout, {sid: {k: v for k, v in entries[sid].items() if k != "id"} for sid in rows}
         )
-    journal.clear()
-    gb = total_tokens * layout.bytes_per_token() / 1e9
-    log(
-        STAGE,
-        f"{len(rows)} samples, {total_tokens:,} tokens, layers {layout.layer_ids}, "
-        f"{gb:.3f} GB, {_padding_note(params.extract.backend, real, padded)} -> {OUTPUT_DIR}",
-    )
+    for sid in rows:
+        (work / entries[sid]["file"]).unlink(missing_ok=True)
+    for journal in work.glob("entries*.jsonl"):
+        journal.unlink()
 
 
-def _padding_note(backend: str, real: int, padded: int) -> str:
+def _padding_note(backend: str, fraction: float) -> str:
     """hf pads each batch to its longest sample; vLLM packs sequences without padding."""
     if backend == "vllm":
-        return "backend vllm (no padding)"
-    return f"padding {1 - real / padded if padded else 0.0:.1%}"
+        return "backend vllm (packed, no padding)"
+    return f"padding {fraction:.1%}"

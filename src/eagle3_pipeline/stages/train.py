@@ -157,6 +157,8 @@ def _plan(params: Params) -> _Plan:
     aux, final = resolve_layer_ids(params.layers, n_layers)
     manifest = store.read_manifest(STORE_DIR)
     store.check_layout(manifest, aux, final, STORE_DIR)
+    # Never train on a damaged file: DVC's hardlinked cache would not notice one changed in place.
+    store.verify_hashes(STORE_DIR, manifest)
     samples, n_train = _samples(manifest)
     key = resume.fingerprint(
         # Knobs that cannot change the weights do not restart a run.
