@@ -37,6 +37,7 @@ ifneq ($(PROFILE),)
 endif
 
 train: venv profile
+	$(BIN)/eagle3 plan
 	$(BIN)/dvc repro
 	@$(PY) -m eagle3_pipeline.summary
 

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL = {
     "verifier": {
         "tiny": {
-            "train_steps": 60,
+            "train_steps": 150,  # a verifier whose answers carry a learnable signal
             "vocab_size": 1024,
             "hidden_size": 64,
             "intermediate_size": 128,
@@ -31,7 +31,7 @@ SMALL = {
     "evaluate": {"max_eval_prompts": 6, "max_new_tokens": 24},
     "tokenize": {"max_seq_len": 128},
     "vocab": {"draft_vocab_size": 256},
-    "train": {"epochs": 4, "max_tokens_per_batch": 512},
+    "train": {"epochs": 8, "max_tokens_per_batch": 512},
 }
 
 
@@ -166,7 +166,7 @@ def test_metrics_are_sane(pipeline: Path) -> None:
     per_pos = trained["acceptance_per_position"]
     assert per_pos == sorted(per_pos, reverse=True)  # a chain: later positions need earlier ones
     train = json.loads((pipeline / "metrics/train.json").read_text())
-    assert 0 <= train["best_epoch"] < 4
+    assert 0 <= train["best_epoch"] < 8
     loss = (pipeline / "metrics/train/plots/metrics/train/loss.tsv").read_text().splitlines()
     assert loss[0] == "step\tloss" and len(loss) > 5
     assert float(loss[-1].split()[1]) < float(loss[1].split()[1])  # training lowered the loss

@@ -91,6 +91,21 @@ def test_schedule_from_prompt_files(tmp_path: Path) -> None:
     assert plan.schedule(params, 100_000) == (90_000, 11, 55, 0)
 
 
+def test_tiny_verifier_built_from_older_params_is_planned_from_the_new_ones(
+    tmp_path: Path,
+) -> None:
+    """The verifier stage rebuilds it: an older 4-layer build must not refuse id 5 of 8."""
+    params = load_params(REPO / "profiles/tiny-llama.yaml").model_copy(deep=True)
+    params.verifier.path = str(tmp_path)
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 2048}
+        )
+    )
+    p = plan.make_plan(params, "profiles/tiny-llama.yaml", tokens=10_000)
+    assert (p.verifier.num_layers, p.aux_layer_ids, p.final_layer_id) == (8, [2, 4, 5], 8)
+
+
 def test_tiny_profile_plans_before_the_verifier_is_built(tmp_path: Path) -> None:
     params = load_params(REPO / "profiles/tiny-llama.yaml").model_copy(deep=True)
     params.verifier.path = str(tmp_path / "not-built")

@@ -135,3 +135,25 @@ def test_sigterm_to_a_stage_stops_its_ready_server(tmp_path: Path, tiny_verifier
         if stage.poll() is None:
             stage.kill()
             stage.wait()
+
+
+def test_kernel_rebind_scan_skips_objects_whose_lookup_raises() -> None:
+    """vLLM's CPU kernel scan visits every module global: a proxy that raises on lookup
+    (werkzeug's, once moto/flask is imported) or a non-mapping __dict__ (llvmlite) is skipped."""
+    from vllm.triton_utils import dispatcher
+
+    from eagle3_pipeline.vllm_server import patch_cpu_kernel_rebind
+
+    class Raises:
+        def __getattribute__(self, name: str):
+            raise RuntimeError("Working outside of application context.")
+
+    class OddDict:
+        pass
+
+    odd = OddDict()
+    object.__setattr__(odd, "__dict__", {})
+    patch_cpu_kernel_rebind()
+    assert dispatcher.hasattr(Raises(), "__dict__") is False
+    assert dict(dispatcher.vars(Raises())) == {}
+    assert dispatcher.hasattr(odd, "__dict__") is True

@@ -171,7 +171,15 @@ def load_verifier_config(params: Params, override: str | Path | None) -> tuple[d
         if params.verifier.source == "tiny" and not path.is_file():
             return tiny_verifier_config(params), None
     fix = "set verifier.path to the model directory or pass --verifier-config PATH"
-    return _read_json(path, VerifierError, fix), path
+    config = _read_json(path, VerifierError, fix)
+    if override is None and params.verifier.source == "tiny":
+        tiny, built = params.verifier.tiny, vf.text_config(config)
+        if (built.get("num_hidden_layers"), built.get("hidden_size")) != (
+            tiny.num_hidden_layers,
+            tiny.hidden_size,
+        ):  # built from older params: the verifier stage will rebuild it from these
+            return tiny_verifier_config(params), None
+    return config, path
 
 
 def verifier_shape(config: dict[str, Any], source: str) -> VerifierShape:

@@ -80,9 +80,11 @@ def patch_cpu_kernel_rebind() -> None:
     calling `vars(value).get(...)` on each value with a `__dict__`. llvmlite (imported with
     numba) has an object whose `__dict__` is a ctypes function wrapper, so engine start fails
     with `AttributeError: '_lib_fn_wrapper' object has no attribute 'get'`. The scan is made to
-    skip values whose `__dict__` is no mapping; nothing else changes. On GPU (Triton present)
-    the scan never runs.
+    skip values whose `__dict__` is no mapping, and values whose attribute lookup raises
+    (e.g. werkzeug's context proxies, imported with moto/flask: `hasattr` raises RuntimeError
+    outside an app context); nothing else changes. On GPU (Triton present) the scan never runs.
     """
+    import builtins
     from collections.abc import Mapping
 
     from vllm.triton_utils import dispatcher
@@ -91,10 +93,21 @@ def patch_cpu_kernel_rebind() -> None:
         return
 
     def mapping_vars(obj: Any) -> Mapping:
-        found = vars(obj)
+        try:
+            found = builtins.vars(obj)
+        except Exception:  # noqa: BLE001 - any object the scan cannot read is skipped
+            return {}
         return found if isinstance(found, Mapping) else {}
 
-    dispatcher.vars = mapping_vars  # module global shadows the builtin inside the scan
+    def safe_hasattr(obj: Any, name: str) -> bool:
+        try:
+            return builtins.hasattr(obj, name)
+        except Exception:  # noqa: BLE001
+            return False
+
+    # Module globals shadow the builtins inside the scan only.
+    dispatcher.vars = mapping_vars
+    dispatcher.hasattr = safe_hasattr
 
 
 def command(spec: ServerSpec, port: int) -> list[str]:

@@ -331,9 +331,18 @@ def build_tiny(params: Params, out_dir: Path) -> dict:
     return {"loss_first": first, "loss_last": last, "corpus_tokens": len(stream)}
 
 
+def _print_plan(params: Params) -> None:
+    """`eagle3 plan` as the first thing `dvc repro` runs: a layer id, vocab or init checkpoint
+    that does not fit the verifier stops the pipeline here, before any GPU hour."""
+    from eagle3_pipeline import plan
+
+    print(plan.render(plan.make_plan(params)), flush=True)
+
+
 def run(params: Params) -> None:
     out_dir = Path(OUTPUT_DIR)
     if params.verifier.source == "pretrained":
+        _print_plan(params)
         config = vf.read_config(params.verifier.path)
         vf.check_remote_code(params, config)
         layers, hidden, vocab = vf.shape(config)
@@ -356,3 +365,4 @@ def run(params: Params) -> None:
     atomic.write_json(out_dir / "identity.json", vf.identity(params))
     layers, _, vocab = vf.shape(vf.read_config(out_dir))
     log(STAGE, f"tiny verifier written to {out_dir}: {layers} layers, vocab {vocab}")
+    _print_plan(params)  # after the build: before it, data/verifier may hold an older shape
