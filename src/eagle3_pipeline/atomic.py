@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable (the directory entry, not only the file's bytes)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -38,7 +39,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None], fsync: bool = 
                 os.fsync(fh.fileno())
         os.replace(tmp_path, path)
         if fsync:
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise

@@ -175,7 +175,7 @@ def write_samples(
                 os.close(fd)
         for tmp, final in staged:
             os.replace(tmp, final)
-        _fsync_dir(root)
+        atomic.fsync_dir(root)
     except BaseException:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
@@ -186,14 +186,6 @@ def write_samples(
 def temp_name(root: Path, name: str) -> Path:
     """Where `name` is written before its rename (`.<name>.<pid>.tmp`: ignored by readers)."""
     return root / f".{name}.{os.getpid()}.tmp"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_sample(
