@@ -49,12 +49,15 @@ def build_drafter(
     seed: int,
     legacy_flags: bool = False,
     random_head: bool = True,
+    perturb_norms: bool = True,
+    ttt_steps: int = 3,
 ):
     """A speculators Eagle3DraftModel (fp32) as `from_training_args` builds it for training.
 
     `legacy_flags` builds it as AQ-MedAI/SpecForge drafters are wired (all norm flags false);
     `random_head` replaces the verifier rows speculators puts in lm_head, so that a test can
-    tell rows apart by origin.
+    tell rows apart by origin; `perturb_norms` moves norm weights away from 1 so a lost norm
+    is visible. Without both it is exactly the untrained drafter training would start from.
     """
     from speculators.models.eagle3.core import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
@@ -79,15 +82,15 @@ def build_drafter(
         norm_before_residual=not legacy_flags,
         norm_before_fc=not legacy_flags,
         norm_output=not legacy_flags,
-        ttt_steps=3,
+        ttt_steps=ttt_steps,
         draft_attn_impl="sdpa",
     )
     with torch.no_grad():
         if random_head:
             model.lm_head.weight.normal_(0.0, 0.05)
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") and not name.startswith("verifier"):
-                p.uniform_(0.5, 1.5)  # norms away from 1, so a lost norm is visible
+            if perturb_norms and name.endswith("norm.weight") and not name.startswith("verifier"):
+                p.uniform_(0.5, 1.5)
     return model
 
 

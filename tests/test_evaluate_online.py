@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import build_tiny_verifier
+from drafter_fixtures import build_drafter
 from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline import online_eval as oe
@@ -66,34 +67,14 @@ def build_untrained_drafter(verifier: Path, out: Path, draft_vocab: int) -> Path
     The draft vocab is the first `draft_vocab` target ids (d2t all zero), so draft id 0 is
     target id 0, which the const pair relies on.
     """
-    from speculators.models.eagle3.core import Eagle3DraftModel
-    from speculators.train.cli import create_transformer_layer_config
-
-    layer_config = create_transformer_layer_config(
-        verifier_name_or_path=str(verifier),
-        num_layers=1,
-        draft_arch="llama",
-        hidden_act=None,
-        sliding_window=2048,
-        full_attention_indices=[],
-    )
-    n_target = layer_config.vocab_size
-    d2t = torch.zeros(draft_vocab, dtype=torch.long)
-    t2d = torch.zeros(n_target, dtype=torch.bool)
-    t2d[:draft_vocab] = True
-    torch.manual_seed(0)
-    model = Eagle3DraftModel.from_training_args(
-        verifier_config=layer_config,
-        t2d=t2d,
-        d2t=d2t,
-        target_layer_ids=AUX_IDS,
-        verifier_name_or_path=str(verifier),
-        draft_vocab_size=draft_vocab,
-        norm_before_residual=True,
-        norm_before_fc=True,
-        norm_output=True,
+    model = build_drafter(
+        verifier,
+        list(range(draft_vocab)),
+        AUX_IDS,
+        seed=0,
+        random_head=False,
+        perturb_norms=False,
         ttt_steps=K,
-        draft_attn_impl="sdpa",
     )
     model.save_pretrained(out)
     return out

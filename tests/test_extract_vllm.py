@@ -9,12 +9,13 @@ between the conventions (vLLM returns layers in ascending order) is exercised.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from extract_fixtures import extract_params
+from extract_fixtures import write_tokenized as shared_write_tokenized
 
 from eagle3_pipeline import store, vllm_extract
 from eagle3_pipeline.errors import DataError
@@ -33,32 +34,11 @@ def verifier(tiny_verifier_dir: Path) -> Path:
 
 
 def make_params(verifier: Path, backend: str) -> Params:
-    return Params.model_validate(
-        {
-            "verifier": {"source": "pretrained", "path": str(verifier)},
-            "layers": {"aux_layer_ids": AUX_IDS, "final_layer_id": N_LAYERS},
-            "extract": {"backend": backend, "max_tokens_per_batch": 100},
-            "vllm": {"max_model_len": 256, "ready_timeout_s": 900},
-        }
-    )
+    return extract_params(verifier, backend, AUX_IDS, N_LAYERS, max_tokens_per_batch=100)
 
 
 def write_tokenized(root: Path, vocab_size: int = 1024) -> dict[str, list[int]]:
-    """data/tokenized/{train,val}.jsonl with seeded token ids; returns id -> input_ids."""
-    gen = torch.Generator().manual_seed(0)
-    out: dict[str, list[int]] = {}
-    for split, lengths in LENGTHS.items():
-        rows = []
-        for n in lengths:
-            sid = f"{split}{n:03d}"
-            ids = torch.randint(10, vocab_size, (n,), generator=gen).tolist()
-            mask = [0, 0] + [1] * (n - 2)
-            rows.append({"id": sid, "input_ids": ids, "loss_mask": mask, "split": split})
-            out[sid] = ids
-        path = root / "data/tokenized" / f"{split}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return out
+    return shared_write_tokenized(root, LENGTHS, vocab_size, prompt_tokens=2)
 
 
 def test_vllm_layer_order_is_ascending_and_inverted() -> None:

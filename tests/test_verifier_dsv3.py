@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_dsv3_verifier
+from extract_fixtures import extract_params
+from extract_fixtures import write_tokenized as shared_write_tokenized
 
 from eagle3_pipeline import acceptance, store
 from eagle3_pipeline import verifier as vf
@@ -112,30 +114,11 @@ def test_id_zero_is_refused_before_vllm_starts(verifier: Path) -> None:
 
 
 def make_params(verifier: Path, backend: str) -> Params:
-    return Params.model_validate(
-        {
-            "verifier": {"source": "pretrained", "path": str(verifier)},
-            "layers": {"aux_layer_ids": AUX_IDS, "final_layer_id": N_LAYERS},
-            "extract": {"backend": backend, "max_tokens_per_batch": 120},
-            "vllm": {"max_model_len": 256, "ready_timeout_s": 900},
-        }
-    )
+    return extract_params(verifier, backend, AUX_IDS, N_LAYERS, max_tokens_per_batch=120)
 
 
 def write_tokenized(root: Path, vocab_size: int) -> dict[str, list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    out: dict[str, list[int]] = {}
-    for split, lengths in LENGTHS.items():
-        rows = []
-        for n in lengths:
-            sid = f"{split}{n:03d}"
-            ids = torch.randint(10, vocab_size, (n,), generator=gen).tolist()
-            rows.append({"id": sid, "input_ids": ids, "loss_mask": [0] + [1] * (n - 1)})
-            out[sid] = ids
-        path = root / "data/tokenized" / f"{split}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps(r | {"split": split}) + "\n" for r in rows))
-    return out
+    return shared_write_tokenized(root, LENGTHS, vocab_size, prompt_tokens=1)
 
 
 def read_store(root: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
