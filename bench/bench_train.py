@@ -36,8 +36,9 @@ sys.path.insert(0, str(REPO / "src"))
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from eagle3_pipeline import atomic, store  # noqa: E402
-from eagle3_pipeline import speculators_compat as sc  # noqa: E402
+from eagle3_pipeline import atomic  # noqa: E402
+from eagle3_pipeline.store import format as store  # noqa: E402
+from eagle3_pipeline.training import speculators_compat as sc  # noqa: E402
 
 RESULTS = REPO / "bench/results/train.json"
 DATA = REPO / "data"

@@ -13,6 +13,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from eagle3_pipeline import paths
 from eagle3_pipeline.errors import PipelineError
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ def _env_defaults() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.abspath("data/.work/vllm-cache"))
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.abspath(paths.VLLM_CACHE))
     os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
 
@@ -86,7 +87,7 @@ def _add_store_parser(sub: argparse._SubParsersAction) -> None:
     )
     v = tools.add_parser("verify", help=v_help, description=v_help)
     v.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
-    v.add_argument("--store", default="data/hidden_states", help="store (default: %(default)s)")
+    v.add_argument("--store", default=str(paths.HIDDEN_STATES), help="store (default: %(default)s)")
     v.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -122,7 +123,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_plan(args: argparse.Namespace, params: Params) -> None:
-    from eagle3_pipeline import plan
+    from eagle3_pipeline.plan import plan
 
     result = plan.make_plan(
         params,
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             _run_plan(args, params)
             return 0
         if args.stage == "store":
-            from eagle3_pipeline import store_verify
+            from eagle3_pipeline.store import verify as store_verify
 
             return store_verify.main(params, store_dir=args.store)
         from eagle3_pipeline import provenance

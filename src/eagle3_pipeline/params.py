@@ -19,8 +19,9 @@ from pydantic import (
     model_validator,
 )
 
+from eagle3_pipeline import paths
 from eagle3_pipeline.errors import ParamsError
-from eagle3_pipeline.layers import resolve_layer_ids
+from eagle3_pipeline.layer_ids import resolve_layer_ids
 
 DEFAULT_PARAMS = Path("params.yaml")
 
@@ -40,7 +41,7 @@ class TinyVerifierParams(_Strict):
     num_key_value_heads: int = Field(2, ge=1)
     vocab_size: int = Field(2048, ge=300)
     max_position_embeddings: int = Field(2048, ge=64)
-    corpus: str = "data/corpus/verifier_corpus.jsonl"
+    corpus: str = str(paths.CORPUS)
     train_steps: int = Field(300, ge=0)
     train_lr: float = Field(3e-3, gt=0)
     train_seq_len: int = Field(128, ge=8)
@@ -55,7 +56,7 @@ class VerifierParams(_Strict):
     """
 
     source: Literal["tiny", "pretrained"] = "tiny"
-    path: str = "data/verifier"
+    path: str = str(paths.VERIFIER)
     name: str | None = None
     revision: str | None = None
     trust_remote_code: bool = False
@@ -70,7 +71,7 @@ class LayersParams(_Strict):
 
 
 class PrepareParams(_Strict):
-    prompts: str = "data/prompts"
+    prompts: str = str(paths.PROMPTS)
     val_ratio: float = Field(0.1, ge=0.0, lt=1.0)
     max_prompts: int | None = Field(None, ge=1)
 

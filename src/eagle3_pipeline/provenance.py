@@ -29,11 +29,11 @@ from typing import Any
 
 import yaml
 
-from eagle3_pipeline import atomic
+from eagle3_pipeline import atomic, paths
 from eagle3_pipeline.errors import ParamsError
 from eagle3_pipeline.params import Params
 
-RECORD_DIR = Path("metrics/provenance")
+RECORD_DIR = paths.PROVENANCE
 DVC_YAML = Path("dvc.yaml")
 PACKAGES = (
     "torch",
@@ -219,8 +219,8 @@ def stage_of(target: str, dvc_yaml: Path = DVC_YAML) -> str:
         with contextlib.suppress(ValueError):  # outside the repo: matches no output below
             path = path.resolve().relative_to(dvc_yaml.resolve().parent)
     rel = PurePosixPath(os.path.normpath(path.as_posix()))
-    for stage, paths in outs.items():
-        for out in paths:
+    for stage, stage_outs in outs.items():
+        for out in stage_outs:
             if rel == PurePosixPath(out) or PurePosixPath(out) in rel.parents:
                 return stage
     raise ParamsError(

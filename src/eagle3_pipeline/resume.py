@@ -18,6 +18,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline import paths
+
 
 class Journal:
     def __init__(self, path: str | Path) -> None:
@@ -54,7 +56,7 @@ class Journal:
         self.path.unlink(missing_ok=True)
 
 
-SCRATCH_ROOT = Path("data/.work")
+SCRATCH_ROOT = paths.SCRATCH
 
 
 def fingerprint(*parts: Any) -> str:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
-DRAFTER = Path("models/drafter")
-EVAL = Path("metrics/eval.json")
+from eagle3_pipeline import paths
+
+DRAFTER = paths.DRAFTER
+EVAL = paths.EVAL_METRICS
 
 
 def main() -> int:

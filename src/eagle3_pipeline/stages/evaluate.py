@@ -9,24 +9,27 @@ served acceptance means the two disagree on layers, vocab mapping, norms or veri
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import acceptance, atomic, drafter, online_eval, store
+from eagle3_pipeline import atomic, paths
 from eagle3_pipeline import verifier as vf
+from eagle3_pipeline.drafter import load as drafter
 from eagle3_pipeline.errors import DataError, ServerError, StoreError
-from eagle3_pipeline.layers import resolve_layer_ids
+from eagle3_pipeline.evaluation import offline as acceptance
+from eagle3_pipeline.evaluation import online as online_eval
+from eagle3_pipeline.layer_ids import resolve_layer_ids
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
-from eagle3_pipeline.vllm_server import ServerSpec
+from eagle3_pipeline.serving.server import ServerSpec
+from eagle3_pipeline.store import format as store
 
 STAGE = "evaluate"
-DRAFTER_DIR = Path("models/drafter")
-STORE_DIR = Path("data/hidden_states")
-VOCAB_DIR = Path("data/vocab")
-METRICS = Path("metrics/eval.json")
-VAL_PROMPTS = Path("data/prepared/val.jsonl")
-WORK_DIR = Path("data/.work/evaluate")
+DRAFTER_DIR = paths.DRAFTER
+STORE_DIR = paths.HIDDEN_STATES
+VOCAB_DIR = paths.VOCAB
+METRICS = paths.EVAL_METRICS
+VAL_PROMPTS = paths.PREPARED / "val.jsonl"
+WORK_DIR = paths.SCRATCH / "evaluate"
 MISMATCH_CAUSES = (
     "aux/final layer ids, vocab mapping d2t/t2d, norm_before_fc/norm_output flags, or a "
     "different verifier"

@@ -15,17 +15,19 @@ from pathlib import Path
 
 import torch
 
-from eagle3_pipeline import atomic, drafter, flat_format
+from eagle3_pipeline import atomic, paths
 from eagle3_pipeline import verifier as vf
+from eagle3_pipeline.drafter import flat_format
+from eagle3_pipeline.drafter import load as drafter
 from eagle3_pipeline.errors import CheckpointError
-from eagle3_pipeline.layers import resolve_layer_ids
+from eagle3_pipeline.layer_ids import resolve_layer_ids
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
 
 STAGE = "export"
-INPUT_DIR = Path("models/trained/best")
-VOCAB_DIR = Path("data/vocab")
-OUTPUT_DIR = Path("models/drafter")
+INPUT_DIR = paths.TRAINED / "best"
+VOCAB_DIR = paths.VOCAB
+OUTPUT_DIR = paths.DRAFTER
 
 
 def run(params: Params) -> None:

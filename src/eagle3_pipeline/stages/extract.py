@@ -26,19 +26,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3_pipeline import atomic, resume, store
+from eagle3_pipeline import atomic, paths, resume
 from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.errors import DataError, StoreError
-from eagle3_pipeline.layers import resolve_layer_ids
+from eagle3_pipeline.layer_ids import resolve_layer_ids
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
+from eagle3_pipeline.store import format as store
 
 if TYPE_CHECKING:
     import torch
 
 STAGE = "extract"
-INPUT_DIR = Path("data/tokenized")
-OUTPUT_DIR = Path("data/hidden_states")
+INPUT_DIR = paths.TOKENIZED
+OUTPUT_DIR = paths.HIDDEN_STATES
 VLLM_FILES = "vllm"  # subfolder of the scratch dir where vLLM's connector writes its files
 JOURNAL = "entries.jsonl"  # the unsharded run's journal; shards write entries.shard-I-of-N.jsonl
 
@@ -150,7 +151,7 @@ def hf_backend(params: Params, layer_ids: list[int]) -> Iterator[BatchFn]:
 @contextlib.contextmanager
 def vllm_backend(params: Params, layer_ids: list[int], work: Path) -> Iterator[BatchFn]:
     """vLLM's extract_hidden_states; its connector writes into the scratch dir."""
-    from eagle3_pipeline import vllm_extract
+    from eagle3_pipeline.serving import hidden_states as vllm_extract
 
     with vllm_extract.engine(params, layer_ids, work / VLLM_FILES) as eng:
         yield eng.extract
@@ -293,7 +294,7 @@ def run(params: Params, shard: tuple[int, int] | None = None) -> None:
         f"{_padding_note(params.extract.backend, pad)}; {len(missing)} samples to extract",
     )
     if params.extract.backend == "vllm" and todo:  # refuse before the engine's slow start
-        from eagle3_pipeline.vllm_extract import check_prompt_lengths
+        from eagle3_pipeline.serving.hidden_states import check_prompt_lengths
 
         check_prompt_lengths({i: lengths[i] for b in todo for i in b}, params.vllm.max_model_len)
     if todo:

@@ -13,19 +13,19 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import atomic, resume, vllm_server
+from eagle3_pipeline import atomic, paths, resume
 from eagle3_pipeline import verifier as vf
-from eagle3_pipeline.chat_client import ChatClient, ChatReply, Outcome, complete_all
 from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
+from eagle3_pipeline.serving import server as vllm_server
+from eagle3_pipeline.serving.chat import ChatClient, ChatReply, Outcome, complete_all
 
 STAGE = "generate"
-INPUT_DIR = Path("data/prepared")
-OUTPUT_DIR = Path("data/generated")
+INPUT_DIR = paths.PREPARED
+OUTPUT_DIR = paths.GENERATED
 SERVER_LOG = resume.SCRATCH_ROOT / STAGE / "server.log"
 SERVED_NAME = "verifier"
 THINK_START = "<think>"

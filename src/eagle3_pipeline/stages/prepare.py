@@ -10,13 +10,13 @@ import hashlib
 import json
 from pathlib import Path
 
-from eagle3_pipeline import atomic
+from eagle3_pipeline import atomic, paths
 from eagle3_pipeline.errors import DataError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
 
 STAGE = "prepare"
-OUTPUT_DIR = Path("data/prepared")
+OUTPUT_DIR = paths.PREPARED
 _ROLES = {"system", "user", "assistant"}
 
 

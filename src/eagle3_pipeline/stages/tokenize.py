@@ -8,17 +8,16 @@ Token frequencies of supervised train tokens feed the draft vocab.
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
-from eagle3_pipeline import atomic
+from eagle3_pipeline import atomic, paths
 from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.errors import DataError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
 
 STAGE = "tokenize"
-INPUT_DIR = Path("data/generated")
-OUTPUT_DIR = Path("data/tokenized")
+INPUT_DIR = paths.GENERATED
+OUTPUT_DIR = paths.TOKENIZED
 
 
 def completion_text(row: dict, eos: str) -> str:

@@ -27,20 +27,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import atomic, resume, store
-from eagle3_pipeline import speculators_compat as sc
+from eagle3_pipeline import atomic, paths, resume
 from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.errors import ParamsError, StoreError
-from eagle3_pipeline.layers import resolve_layer_ids
+from eagle3_pipeline.layer_ids import resolve_layer_ids
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
+from eagle3_pipeline.store import format as store
+from eagle3_pipeline.training import speculators_compat as sc
 
 STAGE = "train"
-STORE_DIR = Path("data/hidden_states")
-TOKENIZED_DIR = Path("data/tokenized")
-VOCAB_DIR = Path("data/vocab")
-OUTPUT_DIR = Path("models/trained")
-LIVE_DIR = Path("metrics/train")
+STORE_DIR = paths.HIDDEN_STATES
+TOKENIZED_DIR = paths.TOKENIZED
+VOCAB_DIR = paths.VOCAB
+OUTPUT_DIR = paths.TRAINED
+LIVE_DIR = paths.TRAIN_LIVE
 CHECKPOINT_FILES = ("config.json", "model.safetensors")
 
 
@@ -351,7 +352,7 @@ def _finish(params: Params, plan: _Plan) -> None:
         _copy_checkpoint(plan.save_dir / str(t.epochs - 1), tmp / "final")
         atomic.write_json(tmp / "summary.json", {"best_epoch": int(best.name), "epochs": t.epochs})
     atomic.write_json(
-        Path("metrics/train.json"),
+        paths.TRAIN_METRICS,
         {
             "best_epoch": int(best.name),
             "val_at_last_epoch": {k: round(v, 6) for k, v in summary.get("val", {}).items()},

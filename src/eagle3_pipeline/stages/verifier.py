@@ -10,14 +10,14 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from eagle3_pipeline import atomic
+from eagle3_pipeline import atomic, paths
 from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.errors import DataError, ParamsError
 from eagle3_pipeline.params import Params, TinyVerifierParams
 from eagle3_pipeline.progress import Progress, log
 
 STAGE = "verifier"
-OUTPUT_DIR = "data/verifier"
+OUTPUT_DIR = str(paths.VERIFIER)
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -334,7 +334,7 @@ def build_tiny(params: Params, out_dir: Path) -> dict:
 def _print_plan(params: Params) -> None:
     """`eagle3 plan` as the first thing `dvc repro` runs: a layer id, vocab or init checkpoint
     that does not fit the verifier stops the pipeline here, before any GPU hour."""
-    from eagle3_pipeline import plan
+    from eagle3_pipeline.plan import plan
 
     print(plan.render(plan.make_plan(params)), flush=True)
 

@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import io
 import json
-from pathlib import Path
 
 import numpy as np
 
-from eagle3_pipeline import atomic
+from eagle3_pipeline import atomic, paths
 from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.errors import DataError, ParamsError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
 
 STAGE = "vocab"
-INPUT = Path("data/tokenized/token_freq.json")
-OUTPUT_DIR = Path("data/vocab")
-METRICS = Path("metrics/vocab.json")
+INPUT = paths.TOKEN_FREQ
+OUTPUT_DIR = paths.VOCAB
+METRICS = paths.VOCAB_METRICS
 
 
 def _npy_bytes(arr: np.ndarray) -> bytes:

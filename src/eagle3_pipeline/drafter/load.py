@@ -1,0 +1,150 @@
+"""Load EAGLE-3 drafters (speculators or flat format) for checks and simulation, on CPU or GPU.
+
+The drafter's config flags are the contract with the server: `expected_config` derives them from
+the same params the trainer used, and `check_config` refuses a checkpoint that disagrees. A flat
+export (flat_format.py) is read back through the same speculators model, so the checks and the
+offline simulation see exactly the function the server computes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from eagle3_pipeline.drafter import flat_format
+from eagle3_pipeline.errors import CheckpointError
+
+# speculators 0.9.0 writes these as true; vLLM must apply the same norms or acceptance collapses.
+SERVING_FLAGS = {"norm_before_fc": True, "norm_output": True}
+
+
+def _attn_impl() -> str:
+    return "simple_flex_attention" if torch.cuda.is_available() else "sdpa"
+
+
+def is_flat(path: str | Path) -> bool:
+    """Whether a drafter directory holds the flat layout (else speculators')."""
+    raw = json.loads((Path(path) / "config.json").read_text())
+    return raw.get("speculators_model_type") is None
+
+
+def _config(path: Path):  # -> Eagle3SpeculatorConfig
+    """The speculators config of a drafter directory in either format."""
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}/config.json: not found: run the train/export stage")
+    raw = json.loads((path / "config.json").read_text())
+    if raw.get("speculators_model_type") is not None:
+        config = Eagle3DraftModel.config_class.from_pretrained(str(path))
+    else:
+        verifier = (raw.get("eagle3_pipeline") or {}).get("verifier", {}).get("name_or_path")
+        config = Eagle3DraftModel.config_class.from_dict(
+            flat_format.to_speculators_config(raw, verifier)
+        )
+    config.transformer_layer_config._attn_implementation = _attn_impl()  # noqa: SLF001
+    return config
+
+
+def load_drafter(path: str | Path):  # -> Eagle3DraftModel
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
+    path = Path(path)
+    config = _config(path)
+    if not is_flat(path):
+        model = Eagle3DraftModel.from_pretrained(str(path), config=config)
+        return model.float().eval()
+    # Flat: the same model class, its tensors renamed back (midlayer. -> layers.0.).
+    ckpt = flat_format.open_checkpoint(path)
+    # In the saved dtype, as from_pretrained builds it: the verifier rows loaded below then
+    # round exactly as they do for a speculators directory.
+    dtype = getattr(
+        torch, str(ckpt.config.get("dtype") or ckpt.config.get("torch_dtype") or "float32")
+    )
+    model = Eagle3DraftModel(config).to(dtype)
+    state = {name: ckpt.tensor(name) for name in ckpt.names()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    allowed = set(Eagle3DraftModel._keys_to_ignore_on_load_missing)  # noqa: SLF001
+    bad_missing = [k for k in missing if k not in allowed]
+    if unexpected or bad_missing:
+        raise CheckpointError(
+            f"{path}/model.safetensors: missing {bad_missing}, unexpected {unexpected}: not an "
+            "export of this pipeline's drafter; re-run the export stage"
+        )
+    model.load_verifier_weights()
+    return model.float().eval()
+
+
+def fresh_drafter_like(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, seed: int):
+    """An untrained drafter of the same shape: the baseline that training must beat."""
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
+    config = _config(Path(path))
+    torch.manual_seed(seed)
+    model = Eagle3DraftModel(config)
+    model.load_vocab_mappings(t2d, d2t)
+    model.load_verifier_weights()
+    return model.float().eval()
+
+
+def load_mapping(vocab_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    vocab_dir = Path(vocab_dir)
+    d2t = torch.from_numpy(np.load(vocab_dir / "d2t.npy", allow_pickle=False))
+    t2d = torch.from_numpy(np.load(vocab_dir / "t2d.npy", allow_pickle=False))
+    return d2t, t2d
+
+
+def expected_config(aux_layer_ids: list[int], draft_vocab_size: int, verifier_name: str) -> dict:
+    return {
+        "eagle_aux_hidden_state_layer_ids": aux_layer_ids,
+        "draft_vocab_size": draft_vocab_size,
+        "verifier_name_or_path": verifier_name,
+        **SERVING_FLAGS,
+    }
+
+
+def config_view(config: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a saved drafter config.json that `expected_config` speaks about.
+
+    A flat config is read back into our terms: aux ids in vLLM's convention (through its
+    `eagle3_pipeline.layer_convention`), the verifier from its `eagle3_pipeline` record.
+    """
+    if config.get("speculators_model_type") is None and "eagle_config" in config:
+        spec = flat_format.to_speculators_config(
+            config, (config.get("eagle3_pipeline") or {}).get("verifier", {}).get("name_or_path")
+        )
+        return config_view(spec)
+    return {
+        "eagle_aux_hidden_state_layer_ids": config.get("eagle_aux_hidden_state_layer_ids"),
+        "draft_vocab_size": config.get("draft_vocab_size"),
+        "verifier_name_or_path": config.get("speculators_config", {})
+        .get("verifier", {})
+        .get("name_or_path"),
+        **{k: config.get(k) for k in SERVING_FLAGS},
+    }
+
+
+def check_config(path: str | Path, expected: dict[str, Any]) -> None:
+    config = json.loads((Path(path) / "config.json").read_text())
+    got = config_view(config)
+    diff = {k: (got[k], v) for k, v in expected.items() if got[k] != v}
+    if diff:
+        parts = ", ".join(f"{k}: checkpoint {a!r} vs params {b!r}" for k, (a, b) in diff.items())
+        raise CheckpointError(f"{path}/config.json disagrees with params ({parts}): retrain")
+
+
+def check_mapping(model, d2t: torch.Tensor, t2d: torch.Tensor, where: str | Path) -> None:
+    """A drafter's lm_head rows belong to its own d2t: never pair them with another mapping."""
+    if (
+        model.d2t is None
+        or not torch.equal(model.d2t.cpu().long(), d2t.long())
+        or not torch.equal(model.t2d.cpu().bool(), t2d.bool())
+    ):
+        raise CheckpointError(
+            f"{where}: the checkpoint's d2t/t2d differ from data/vocab: its lm_head rows would "
+            "map to the wrong tokens; retrain or rebuild the vocab the checkpoint was trained with"
+        )

@@ -1,0 +1,284 @@
+"""Online evaluation: the verifier served by vLLM with and without the drafter, on val prompts.
+
+The offline simulation can agree with itself and still disagree with vLLM (layer ids, vocab
+mapping, norm flags, another verifier): only vLLM's own counters show that drafts are accepted.
+The run without speculation is the throughput baseline and, at temperature 0, the reference
+output that speculative decoding must reproduce token for token.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from eagle3_pipeline.errors import ServerError
+from eagle3_pipeline.serving.server import ServerSpec, metrics, serve
+
+SPEC_PREFIX = "vllm:spec_decode_"
+_KEY = re.compile(r"^(?P<name>[^{\s]+)(?:\{(?P<labels>.*)\})?$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+Messages = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How prompts are sent; identical for both runs so that throughputs compare."""
+
+    num_speculative_tokens: int
+    max_new_tokens: int
+    concurrency: int = 1
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    request_timeout_s: float = 600.0
+    served_model_name: str = "verifier"
+
+
+@dataclass
+class RunResult:
+    """Outputs of one server run and the spec-decode counter deltas over its request phase."""
+
+    token_ids: list[list[int]]
+    texts: list[str]
+    num_tokens: list[int]
+    wall_s: float
+    counters: dict[str, float]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+# --- Prometheus counters ---------------------------------------------------------------------
+
+
+def split_key(key: str) -> tuple[str, dict[str, str]]:
+    """`name{a="x",b="y"}` -> (name, {a: x, b: y}), as `vllm_server.metrics` keys them."""
+    m = _KEY.match(key.strip())
+    if m is None:
+        return key, {}
+    return m["name"], dict(_LABEL.findall(m["labels"] or ""))
+
+
+def counter(values: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of a counter over all label sets that contain `labels` (engines, models)."""
+    total = 0.0
+    for key, value in values.items():
+        got, got_labels = split_key(key)
+        if got == name and all(got_labels.get(k) == v for k, v in labels.items()):
+            total += value
+    return total
+
+
+def spec_counters(values: dict[str, float], k: int) -> dict[str, float]:
+    """vLLM's spec-decode counters (Prometheus `_total` names) as flat totals."""
+    out = {
+        "num_drafts": counter(values, f"{SPEC_PREFIX}num_drafts_total"),
+        "num_draft_tokens": counter(values, f"{SPEC_PREFIX}num_draft_tokens_total"),
+        "num_accepted_tokens": counter(values, f"{SPEC_PREFIX}num_accepted_tokens_total"),
+    }
+    for pos in range(k):
+        name = f"{SPEC_PREFIX}num_accepted_tokens_per_pos_total"
+        out[f"accepted_pos_{pos}"] = counter(values, name, position=str(pos))
+    return out
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {key: after[key] - before.get(key, 0.0) for key in after}
+
+
+def acceptance(counts: dict[str, float], k: int) -> dict[str, Any]:
+    """Acceptance rate and mean acceptance length exactly as vLLM's own dashboards define them."""
+    drafts = counts["num_drafts"]
+    draft_tokens = counts["num_draft_tokens"]
+    accepted = counts["num_accepted_tokens"]
+    return {
+        "num_drafts": int(drafts),
+        "num_draft_tokens": int(draft_tokens),
+        "num_accepted_tokens": int(accepted),
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+        "acceptance_per_position": [
+            counts[f"accepted_pos_{p}"] / drafts if drafts else 0.0 for p in range(k)
+        ],
+    }
+
+
+def read_counters(url: str, k: int) -> dict[str, float]:
+    """Spec-decode counters plus generated tokens; a /metrics failure is one ServerError line."""
+    try:
+        values = metrics(url)
+    except requests.RequestException as exc:
+        raise ServerError(f"{url}/metrics: not readable: {exc}") from None
+    out = spec_counters(values, k)
+    out["generation_tokens"] = counter(values, "vllm:generation_tokens_total")
+    out["spec_decode_enabled"] = float(
+        any(split_key(key)[0] == f"{SPEC_PREFIX}num_drafts_total" for key in values)
+    )
+    return out
+
+
+def settled_counters(url: str, k: int, timeout_s: float = 10.0) -> dict[str, float]:
+    """Counters once two reads agree: the last step's stats may land just after the response."""
+    last = read_counters(url, k)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = read_counters(url, k)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+# --- requests --------------------------------------------------------------------------------
+
+
+def chat_payload(messages: Messages, settings: Settings, max_tokens: int | None = None) -> dict:
+    """Greedy chat request; special tokens kept and token ids returned so outputs compare fully."""
+    return {
+        "model": settings.served_model_name,
+        "messages": messages,
+        "temperature": 0.0,
+        "max_tokens": max_tokens or settings.max_new_tokens,
+        "chat_template_kwargs": settings.chat_template_kwargs,
+        "skip_special_tokens": False,
+        "return_token_ids": True,
+    }
+
+
+Completion = tuple[list[int], str, int]
+
+
+def complete(url: str, payload: dict, timeout_s: float) -> Completion:
+    """(token ids, text, token count) of one chat completion; a failure is one ServerError line."""
+    try:
+        resp = requests.post(f"{url}/v1/chat/completions", json=payload, timeout=timeout_s)
+    except requests.RequestException as exc:
+        raise ServerError(f"{url}: chat completion failed: {exc}") from None
+    if resp.status_code != 200:
+        raise ServerError(f"{url}: chat completion HTTP {resp.status_code}: {resp.text[:300]}")
+    body = resp.json()
+    choice = body["choices"][0]
+    message = choice["message"]
+    reasoning = message.get("reasoning") or message.get("reasoning_content") or ""
+    text = reasoning + (message.get("content") or "")
+    return list(choice.get("token_ids") or []), text, int(body["usage"]["completion_tokens"])
+
+
+def run_prompts(
+    url: str, conversations: Sequence[Messages], settings: Settings
+) -> tuple[list[Completion], float]:
+    """Send all prompts, `concurrency` at a time; (completions in order, wall seconds)."""
+    payloads = [chat_payload(m, settings) for m in conversations]
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=settings.concurrency) as pool:
+        results = list(pool.map(lambda p: complete(url, p, settings.request_timeout_s), payloads))
+    return results, time.monotonic() - t0
+
+
+def measure(url: str, conversations: Sequence[Messages], settings: Settings) -> RunResult:
+    """Warm the server with one short request, then time the prompts and diff the counters."""
+    complete(
+        url, chat_payload(conversations[0], settings, max_tokens=4), settings.request_timeout_s
+    )
+    k = settings.num_speculative_tokens
+    before = settled_counters(url, k)
+    results, wall = run_prompts(url, conversations, settings)
+    after = settled_counters(url, k)
+    counters = delta(before, after) | {"spec_decode_enabled": after["spec_decode_enabled"]}
+    ids, texts, counts = (list(x) for x in zip(*results, strict=True))
+    return RunResult(ids, texts, counts, wall, counters)
+
+
+Runner = Callable[[ServerSpec, Sequence[Messages], Settings], RunResult]
+
+
+def serve_and_measure(
+    spec: ServerSpec, conversations: Sequence[Messages], settings: Settings
+) -> RunResult:
+    with serve(spec) as url:
+        return measure(url, conversations, settings)
+
+
+# --- both runs -------------------------------------------------------------------------------
+
+
+def speculative_config(drafter: str | Path, k: int) -> dict[str, Any]:
+    return {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k}
+
+
+def server_specs(
+    base: ServerSpec, drafter: str | Path, k: int, log_dir: Path
+) -> tuple[ServerSpec, ServerSpec]:
+    """(baseline, speculative) variants of one server spec; only the drafter differs."""
+    baseline = replace(base, speculative_config=None, log_file=log_dir / "vllm-baseline.log")
+    spec = replace(
+        base,
+        speculative_config=speculative_config(drafter, k),
+        log_file=log_dir / "vllm-eagle3.log",
+    )
+    return baseline, spec
+
+
+def mismatched_prompts(a: RunResult, b: RunResult) -> list[int]:
+    """Indices of prompts whose greedy outputs differ (token ids, or text if ids are missing)."""
+    return [
+        i
+        for i, (ta, tb, xa, xb) in enumerate(
+            zip(a.token_ids, b.token_ids, a.texts, b.texts, strict=True)
+        )
+        if (ta != tb if ta and tb else xa != xb)
+    ]
+
+
+def online_section(baseline: RunResult, spec: RunResult, k: int) -> dict[str, Any]:
+    """The `online` block of metrics/eval.json."""
+    speedup = spec.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else 0.0
+    return {
+        "num_prompts": len(spec.texts),
+        **acceptance(spec.counters, k),
+        "output_tokens": spec.output_tokens,
+        "output_tokens_baseline": baseline.output_tokens,
+        "tokens_per_s": spec.tokens_per_s,
+        "tokens_per_s_baseline": baseline.tokens_per_s,
+        "speedup": speedup,
+    }
+
+
+def evaluate(
+    base: ServerSpec,
+    drafter: str | Path,
+    conversations: Sequence[Messages],
+    settings: Settings,
+    log_dir: Path,
+    runner: Runner | None = None,
+) -> tuple[dict[str, Any], list[int]]:
+    """Serve without, then with the drafter; (online section, indices of differing outputs).
+
+    Sequential, never side by side: two servers on the same cores would skew the throughputs.
+    `runner` replaces `serve_and_measure` (tests record the servers they start).
+    """
+    if not conversations:
+        raise ValueError("online evaluation needs at least one prompt")
+    runner = runner or serve_and_measure
+    k = settings.num_speculative_tokens
+    baseline_spec, eagle_spec = server_specs(base, drafter, k, log_dir)
+    baseline = runner(baseline_spec, conversations, settings)
+    spec = runner(eagle_spec, conversations, settings)
+    if not spec.counters.get("spec_decode_enabled"):
+        raise ServerError(
+            f"vLLM was started with the drafter but its /metrics has no {SPEC_PREFIX}* "
+            f"counters: speculative decoding is off; see {eagle_spec.log_file}"
+        )
+    return online_section(baseline, spec, k), mismatched_prompts(baseline, spec)

@@ -1,0 +1,32 @@
+"""Every path the pipeline reads or writes, relative to the repo root, defined once.
+
+dvc.yaml names the same paths; tests/unit/test_paths.py checks that the two agree. Params keep
+their own defaults (`verifier.path`, `prepare.prompts`): those are the user's to move.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PROMPTS = Path("data/prompts")
+CORPUS = Path("data/corpus/verifier_corpus.jsonl")
+VERIFIER = Path("data/verifier")
+PREPARED = Path("data/prepared")
+GENERATED = Path("data/generated")
+TOKENIZED = Path("data/tokenized")
+TOKEN_FREQ = TOKENIZED / "token_freq.json"
+HIDDEN_STATES = Path("data/hidden_states")
+VOCAB = Path("data/vocab")
+TRAINED = Path("models/trained")
+DRAFTER = Path("models/drafter")
+
+METRICS = Path("metrics")
+VOCAB_METRICS = METRICS / "vocab.json"
+TRAIN_METRICS = METRICS / "train.json"
+TRAIN_LIVE = METRICS / "train"
+EVAL_METRICS = METRICS / "eval.json"
+PROVENANCE = METRICS / "provenance"
+
+# Scratch: in-progress work of resumable stages; git-ignored, never a DVC output.
+SCRATCH = Path("data/.work")
+VLLM_CACHE = SCRATCH / "vllm-cache"

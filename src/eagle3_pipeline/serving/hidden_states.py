@@ -1,0 +1,277 @@
+"""Hidden states from vLLM itself: an in-process engine with `extract_hidden_states`.
+
+vLLM's `extract_hidden_states` speculative method stores, for every prompt token, the residual
+stream at `eagle_aux_hidden_state_layer_ids` in a cache that a KV connector writes to one
+safetensors file per request (`hidden_states [seq, n_ids, hidden]`, `token_ids [seq]`). We run
+each prompt for one output token, read the file back and delete it; the caller writes the store.
+
+Layer ids: vLLM collects id i after decoder layer i-1 (`hidden_states + residual`, i.e. the input
+of layer i; id 0 = the embeddings) and id N after the last layer, before the final norm. That is
+the project's convention (layers.py), so ids pass through unchanged. The only translation is the
+ORDER: vLLM collects layers in ascending order whatever order they were listed in, so
+`vllm_layer_order` asks for them sorted and `HiddenStateEngine` permutes the result back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gc
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from eagle3_pipeline import verifier as vf
+from eagle3_pipeline.errors import DataError, VerifierError
+from eagle3_pipeline.params import Params
+from eagle3_pipeline.progress import log
+from eagle3_pipeline.serving.server import patch_cpu_kernel_rebind, server_env
+
+GPU_CONNECTOR = "ExampleHiddenStatesConnector"
+_VLLM_DTYPES = {"float32", "bfloat16", "float16"}
+
+
+def vllm_layer_order(layer_ids: list[int]) -> tuple[list[int], list[int]]:
+    """(ids in the order vLLM returns them, index of each of our ids in that order)."""
+    ordered = sorted(layer_ids)
+    return ordered, [ordered.index(i) for i in layer_ids]
+
+
+def engine_dtype(config: dict[str, Any]) -> str:
+    """The verifier's own dtype, as the hf backend loads it.
+
+    vLLM's "auto" downcasts a float32 checkpoint to bf16; the two backends would then compute
+    different tensors (DESIGN: they must agree).
+    """
+    dtype = str(
+        vf.text_config(config).get("dtype")
+        or config.get("dtype")
+        or config.get("torch_dtype")
+        or "auto"
+    )
+    return dtype if dtype in _VLLM_DTYPES else "auto"
+
+
+def connector_config(storage_dir: Path) -> dict[str, Any]:
+    """Stock connector on GPU; on CPU ours (the stock one pins memory and kills the engine)."""
+    config: dict[str, Any] = {
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage_dir.resolve())},
+    }
+    if torch.cuda.is_available():
+        return config | {"kv_connector": GPU_CONNECTOR}
+    from eagle3_pipeline.serving import (
+        cpu_hs_connector,  # imports vLLM; vLLM loads it again by name
+    )
+
+    return config | {
+        "kv_connector": cpu_hs_connector.CONNECTOR_NAME,
+        "kv_connector_module_path": cpu_hs_connector.__name__,
+    }
+
+
+def engine_overrides(extra_args: list[str]) -> dict[str, Any]:
+    """Engine arguments among params.vllm.extra_args (server-only flags are skipped)."""
+    if not extra_args:
+        return {}
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    defaults = vars(parser.parse_known_args([])[0])
+    given, unknown = parser.parse_known_args(extra_args)
+    if unknown:
+        log("extract", f"vllm.extra_args not used by the in-process engine: {unknown}")
+    return {k: v for k, v in vars(given).items() if v != defaults.get(k)}
+
+
+# vLLM 0.32's DeepSeek-V2/V3 model (Kimi-K2.5's text model too) sums `hidden_states + residual`
+# at an aux id before the first layer has made a residual: id 0 fails in the engine with
+# `TypeError: unsupported operand type(s) for +: 'Tensor' and 'NoneType'`.
+_NO_ID_ZERO = {"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2"}
+
+
+def check_layer_ids(config: dict[str, Any], layer_ids: list[int]) -> None:
+    """Refuse, before vLLM's slow start, the ids its model for this verifier cannot capture."""
+    model_type = vf.text_config(config).get("model_type")
+    if 0 in layer_ids and model_type in _NO_ID_ZERO:
+        raise VerifierError(
+            f"layers.aux_layer_ids contains 0 (the embeddings), which vLLM cannot capture for "
+            f"{model_type} models: use ids >= 1, or extract.backend: hf"
+        )
+
+
+def engine_kwargs(params: Params, layer_ids: list[int], storage_dir: Path) -> dict[str, Any]:
+    """Arguments of vllm.LLM for extraction; vllm.extra_args may override all but `required`.
+
+    Prefix caching and chunked prefill stay off whatever extra_args say: a cached or chunked
+    prefix is not recomputed, so its hidden states would be missing from the file.
+    """
+    v = params.vllm
+    ordered, _ = vllm_layer_order(layer_ids)
+    config = vf.read_config(params.verifier.path)
+    check_layer_ids(config, layer_ids)
+    defaults = {
+        "model": params.verifier.path,
+        "revision": params.verifier.revision,
+        "trust_remote_code": params.verifier.trust_remote_code,
+        "dtype": engine_dtype(config),
+        "max_model_len": v.max_model_len,
+        "max_num_batched_tokens": max(v.max_model_len, params.extract.max_tokens_per_batch),
+        "enforce_eager": v.enforce_eager,
+        "tensor_parallel_size": v.tensor_parallel_size,
+        "seed": params.seed,
+        "language_model_only": vf.is_multimodal_wrapper(config),  # hidden states of text only
+    }
+    required = {
+        "enable_prefix_caching": False,
+        "enable_chunked_prefill": False,
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ordered}},
+        },
+        "kv_transfer_config": connector_config(storage_dir),
+    }
+    return defaults | engine_overrides(v.extra_args) | required
+
+
+@contextlib.contextmanager
+def _engine_env() -> Iterator[None]:
+    """In-process engine core, offline, caches in the workspace; only while vLLM starts.
+
+    Restored afterwards so that vLLM servers started later by this process (tests) do not
+    inherit VLLM_ENABLE_V1_MULTIPROCESSING=0.
+    """
+    wanted = server_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    saved = {k: os.environ.get(k) for k, v in wanted.items() if os.environ.get(k) != v}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def check_prompt_lengths(lengths: dict[str, int], max_model_len: int) -> None:
+    """Refuse before starting vLLM: a prompt needs room for the one output token."""
+    too_long = {sid: n for sid, n in lengths.items() if n > max_model_len - 1}
+    if too_long:
+        sid = max(too_long, key=too_long.__getitem__)
+        raise DataError(
+            f"sample {sid} has {too_long[sid]} tokens; vLLM takes at most vllm.max_model_len - 1 "
+            f"= {max_model_len - 1}: raise vllm.max_model_len or lower tokenize.max_seq_len"
+        )
+
+
+def _hidden_states_path(output) -> str:
+    path = (output.kv_transfer_params or {}).get("hidden_states_path")
+    if not path:
+        raise VerifierError(
+            "vLLM returned no hidden_states_path: its KV connector did not run; see the vLLM log "
+            "above this line"
+        )
+    return path
+
+
+def _written(path: str) -> bool:
+    """The file exists and its writer released the `.lock` beside it (stock protocol)."""
+    if not os.path.exists(path):
+        return False
+    try:
+        fd = os.open(path + ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+class HiddenStateEngine:
+    """One vLLM engine; `extract` returns [seq, n_ids, hidden] per prompt, in `layer_ids` order."""
+
+    def __init__(self, params: Params, layer_ids: list[int], storage_dir: Path) -> None:
+        from vllm import LLM, SamplingParams
+
+        self.storage_dir = storage_dir
+        self.write_timeout_s = params.vllm.ready_timeout_s
+        self.max_model_len = params.vllm.max_model_len
+        self._order = vllm_layer_order(layer_ids)[1]
+        self._sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        clear_dir(storage_dir)
+        log("extract", f"starting vLLM (extract_hidden_states, layer ids {layer_ids})")
+        patch_cpu_kernel_rebind()
+        with _engine_env():
+            self.llm = LLM(**engine_kwargs(params, layer_ids, storage_dir))
+
+    def extract(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Hidden states of each prompt's tokens, read from the connector's files."""
+        check_prompt_lengths({str(i): len(p) for i, p in enumerate(prompts)}, self.max_model_len)
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        outputs = self.llm.generate(requests, self._sampling, use_tqdm=False)
+        paths = [_hidden_states_path(out) for out in outputs]
+        self._wait_written(paths)
+        return [self._read(path, p) for path, p in zip(paths, prompts, strict=True)]
+
+    def _wait_written(self, paths: list[str]) -> None:
+        """Step the engine until every file is written.
+
+        The connector writes a request's file one or two engine steps AFTER the request
+        finished. A server keeps stepping; an in-process engine only steps inside generate(),
+        which has already returned, so waiting on the file's lock alone would wait forever.
+        """
+        deadline = time.monotonic() + self.write_timeout_s
+        while not all(_written(p) for p in paths):
+            if time.monotonic() > deadline:
+                raise VerifierError(
+                    f"vLLM did not write hidden states within {self.write_timeout_s:.0f} s "
+                    f"(e.g. {paths[0]}): raise vllm.ready_timeout_s if the machine is busy"
+                )
+            self.llm.llm_engine.step()
+            time.sleep(0.002)
+
+    def _read(self, path: str, prompt: list[int]) -> torch.Tensor:
+        data = load_file(path)
+        for leftover in (path, path + ".lock"):
+            Path(leftover).unlink(missing_ok=True)
+        hidden, tokens = data["hidden_states"], data["token_ids"]
+        if tokens.tolist() != prompt or hidden.shape[0] != len(prompt):
+            raise VerifierError(
+                f"vLLM wrote {hidden.shape[0]} hidden states for a {len(prompt)}-token prompt "
+                "(or other token ids): prefix caching and chunked prefill must stay off"
+            )
+        return hidden[:, self._order]
+
+    def close(self) -> None:
+        """Free the engine (tests start several in one process)."""
+        del self.llm
+        gc.collect()
+
+
+def clear_dir(path: Path) -> None:
+    """Empty the connector's folder: files of a killed run would collide with new request ids."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True, exist_ok=True)
+
+
+@contextlib.contextmanager
+def engine(params: Params, layer_ids: list[int], storage_dir: Path) -> Iterator[HiddenStateEngine]:
+    eng = HiddenStateEngine(params, layer_ids, storage_dir)
+    try:
+        yield eng
+    finally:
+        eng.close()
+        shutil.rmtree(storage_dir, ignore_errors=True)

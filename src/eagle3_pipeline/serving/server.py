@@ -1,0 +1,293 @@
+"""Start, wait for and always stop a vLLM OpenAI-compatible server.
+
+The server runs in its own process group on loopback with a free port, logs to a file, and is
+stopped (SIGTERM, then SIGKILL) and reaped when the `with` block ends for any reason, including
+Ctrl-C and SIGTERM sent to the stage. A SIGKILLed stage runs no cleanup at all, so the server is
+started under a small watchdog (`python -m eagle3_pipeline.serving.server --watch -- CMD`)
+that kills the group when its stdin, a pipe only the stage holds, closes: no server is ever left
+behind.
+The server itself is started through `python -m eagle3_pipeline.serving.server --run MODULE`, which
+applies `patch_cpu_kernel_rebind` before vLLM's own entry point runs (see there why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from eagle3_pipeline import paths
+from eagle3_pipeline.errors import ServerError
+from eagle3_pipeline.progress import log
+
+
+@dataclass
+class ServerSpec:
+    """What to serve and how; `extra_args` are passed to vLLM verbatim."""
+
+    model: str
+    log_file: Path
+    max_model_len: int = 2048
+    enforce_eager: bool = True
+    tensor_parallel_size: int = 1
+    reasoning_parser: str | None = None
+    speculative_config: dict[str, Any] | None = None
+    served_model_name: str = "verifier"
+    trust_remote_code: bool = False
+    # Text only: vLLM builds no vision tower and profiles no images (multimodal verifiers).
+    language_model_only: bool = False
+    ready_timeout_s: float = 600.0
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Offline, workspace-local caches, a small KV cache on CPU."""
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CACHE_ROOT", os.path.abspath(paths.VLLM_CACHE))
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    env.update(extra or {})
+    return env
+
+
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def patch_cpu_kernel_rebind() -> None:
+    """Let vLLM 0.32 on CPU start when numba has been imported (Kimi-K2.5's image processor).
+
+    Without Triton, vLLM's CPU platform rebinds kernels by scanning every module namespace and
+    calling `vars(value).get(...)` on each value with a `__dict__`. llvmlite (imported with
+    numba) has an object whose `__dict__` is a ctypes function wrapper, so engine start fails
+    with `AttributeError: '_lib_fn_wrapper' object has no attribute 'get'`. The scan is made to
+    skip values whose `__dict__` is no mapping, and values whose attribute lookup raises
+    (e.g. werkzeug's context proxies, imported with moto/flask: `hasattr` raises RuntimeError
+    outside an app context); nothing else changes. On GPU (Triton present) the scan never runs.
+    """
+    import builtins
+    from collections.abc import Mapping
+
+    from vllm.triton_utils import dispatcher
+
+    if getattr(dispatcher, "vars", None) is not None:  # already patched
+        return
+
+    def mapping_vars(obj: Any) -> Mapping:
+        try:
+            found = builtins.vars(obj)
+        except Exception:  # noqa: BLE001 - any object the scan cannot read is skipped
+            return {}
+        return found if isinstance(found, Mapping) else {}
+
+    def safe_hasattr(obj: Any, name: str) -> bool:
+        try:
+            return builtins.hasattr(obj, name)
+        except Exception:  # noqa: BLE001
+            return False
+
+    # Module globals shadow the builtins inside the scan only.
+    dispatcher.vars = mapping_vars
+    dispatcher.hasattr = safe_hasattr
+
+
+def command(spec: ServerSpec, port: int) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "eagle3_pipeline.serving.server",
+        "--run",
+        VLLM_SERVER_MODULE,
+        "--model",
+        spec.model,
+        "--served-model-name",
+        spec.served_model_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--tensor-parallel-size",
+        str(spec.tensor_parallel_size),
+        "--disable-uvicorn-access-log",
+    ]
+    if spec.enforce_eager:
+        cmd.append("--enforce-eager")
+    if spec.reasoning_parser:
+        cmd += ["--reasoning-parser", spec.reasoning_parser]
+    if spec.speculative_config:
+        cmd += ["--speculative-config", json.dumps(spec.speculative_config)]
+    if spec.trust_remote_code:
+        cmd.append("--trust-remote-code")
+    if spec.language_model_only:
+        cmd.append("--language-model-only")
+    return cmd + list(spec.extra_args)
+
+
+def watched(cmd: list[str]) -> list[str]:
+    """`cmd` run under the watchdog of `_watch` (see the module docstring)."""
+    return [sys.executable, "-m", "eagle3_pipeline.serving.server", "--watch", "--", *cmd]
+
+
+def _sweep_on_eof(orphaned: threading.Event, grace_s: float = 20.0) -> None:
+    # Raw reads until EOF, when the stage holding the other end is gone. (Not sys.stdin: a daemon
+    # thread blocked on its buffer lock aborts the interpreter at exit.)
+    while os.read(0, 1024):
+        pass
+    orphaned.set()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(0, signal.SIGTERM)
+    time.sleep(grace_s)
+    os.killpg(0, signal.SIGKILL)  # a server deaf to SIGTERM, this watchdog included
+
+
+def _watch(cmd: list[str]) -> int:
+    """Run `cmd` in this process group; kill the group when stdin closes. Exit with its code."""
+    # A handler, not SIG_IGN: ignored signals stay ignored across exec, handlers do not. The
+    # group's SIGTERM is meant for vLLM; this process exits when vLLM does.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    orphaned = threading.Event()
+    threading.Thread(target=_sweep_on_eof, args=(orphaned,), daemon=True).start()
+    code = child.wait()
+    if orphaned.is_set():  # no stage is left to sweep the group after the server: do it here
+        os.killpg(0, signal.SIGKILL)
+    return code if code >= 0 else 128 - code  # killed by signal N: exit 128+N, as a shell says
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM the whole process group (vLLM forks workers), then SIGKILL, and reap."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    # Workers that outlived the leader are still in the group.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if proc.stdin is not None:
+        proc.stdin.close()
+
+
+def _tail(path: Path, n: int = 5) -> str:
+    try:
+        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    return " | ".join(lines[-n:])
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None, spec: ServerSpec) -> None:
+    deadline = time.monotonic() + spec.ready_timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise ServerError(
+                f"vLLM server exited with code {proc.returncode} before it was ready; see "
+                f"{spec.log_file} (last lines: {_tail(spec.log_file)})"
+            )
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(1.0)
+    raise ServerError(
+        f"vLLM server not ready after {spec.ready_timeout_s:.0f} s; see {spec.log_file} "
+        "(raise vllm.ready_timeout_s in params.yaml if the model is just slow to load)"
+    )
+
+
+@contextlib.contextmanager
+def serve(spec: ServerSpec) -> Iterator[str]:
+    """Yield the base URL (http://127.0.0.1:PORT) of a ready server; always stop it after."""
+    port = free_port()
+    spec.log_file.parent.mkdir(parents=True, exist_ok=True)
+    cmd = command(spec, port)
+    with open(spec.log_file, "w") as logf:
+        logf.write("$ " + " ".join(cmd) + "\n")
+        logf.flush()
+        proc = subprocess.Popen(
+            watched(cmd),
+            stdin=subprocess.PIPE,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=server_env(spec.env),
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):  # a killed stage must not orphan its server
+        raise KeyboardInterrupt
+
+    if previous in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, on_term)
+    try:
+        t0 = time.monotonic()
+        log("vllm", f"starting server for {spec.model} on {url} (log: {spec.log_file})")
+        wait_ready(url, proc, spec)
+        log("vllm", f"server ready in {time.monotonic() - t0:.0f} s")
+        yield url
+    finally:
+        _stop(proc)
+        if previous in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Prometheus counters of /metrics, summed over label sets, keyed by name{labels}."""
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def _run_vllm(module: str, args: list[str]) -> None:
+    """vLLM's entry point `module` with `args`, after the CPU patch (vLLM forks its engine and
+    workers, which inherit it)."""
+    patch_cpu_kernel_rebind()
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--run"] and len(sys.argv) >= 3:
+        _run_vllm(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1:3] == ["--watch", "--"] and len(sys.argv) >= 4:
+        sys.exit(_watch(sys.argv[3:]))
+    else:
+        sys.exit(
+            "usage: python -m eagle3_pipeline.serving.server --watch -- CMD [ARGS...] | "
+            "--run MODULE [ARGS...]"
+        )

@@ -1,0 +1,333 @@
+"""The whole DAG on a shrunken tiny profile, run by DVC in a fresh copy of the repo."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+SMALL = {
+    "verifier": {
+        "tiny": {
+            "train_steps": 150,  # a verifier whose answers carry a learnable signal
+            "vocab_size": 1024,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+        }  # head_dim 32 for vLLM CPU
+    },
+    "prepare": {"max_prompts": 60, "val_ratio": 0.2},
+    "generate": {"max_new_tokens": 32},
+    "evaluate": {"max_eval_prompts": 6, "max_new_tokens": 24},
+    "tokenize": {"max_seq_len": 128},
+    "vocab": {"draft_vocab_size": 256},
+    "train": {"epochs": 8, "max_tokens_per_batch": 512},
+}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    for k, v in over.items():
+        base[k] = _merge(base.get(k, {}), v) if isinstance(v, dict) else v
+    return base
+
+
+def _env(repo: Path | None = None) -> dict[str, str]:
+    """The venv's tools; stages import the code of the repo they run in, not the editable install
+    (its files may change while a run takes minutes, and dvc.lock hashes the repo's own copy)."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    env.update(DVC_NO_ANALYTICS="1", HF_HUB_OFFLINE="1")
+    if repo is not None and (repo / "src/eagle3_pipeline").is_dir():
+        env["PYTHONPATH"] = str(repo / "src")
+    return env
+
+
+def _run(repo: Path, *cmd: str) -> str:
+    proc = subprocess.run(cmd, cwd=repo, env=_env(repo), capture_output=True, text=True)
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout + proc.stderr
+
+
+def make_repo(repo: Path, overrides: dict) -> Path:
+    """A fresh git repo holding the project's tracked files, params shrunk by `overrides`."""
+    files = subprocess.run(  # tracked and new (not ignored) files: the working tree's code
+        ["git", "ls-files", "-co", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for f in files:
+        if not (REPO / f).is_file():
+            continue  # deleted in the working tree, not yet committed
+        (repo / f).parent.mkdir(parents=True, exist_ok=True)
+        (repo / f).write_bytes((REPO / f).read_bytes())
+    params = _merge(yaml.safe_load((repo / "params.yaml").read_text()), overrides)
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    _run(repo, "git", "init", "-q")
+    commit(repo, "init")
+    return repo
+
+
+def commit(repo: Path, message: str) -> str:
+    _run(repo, "git", "add", "-A")
+    who = ("-c", "user.name=t", "-c", "user.email=t@t")
+    _run(repo, "git", *who, "commit", "-qm", message, "--allow-empty")
+    return _run(repo, "git", "rev-parse", "HEAD").strip()
+
+
+def session_run(tmp_path_factory: pytest.TempPathFactory, name: str, overrides: dict) -> Path:
+    """The pipeline run once per test session, shared by every module that asks for `name`.
+
+    Module fixtures of different files are separate objects; the session's base temp folder and
+    a marker written after a successful `dvc repro` make them share one run.
+    """
+    repo = tmp_path_factory.getbasetemp() / name / "repo"
+    done = repo.parent / "repro-done"
+    if done.is_file():
+        return repo
+    if repo.parent.exists():
+        shutil.rmtree(repo.parent)
+    # For iterating on the slow tests: EAGLE3_E2E_REUSE=<dir> copies a finished <dir>/<name>/
+    # (a previous session's basetemp) instead of running the DAG again; the copy keeps its links.
+    reuse = Path(os.environ.get("EAGLE3_E2E_REUSE", "/nonexistent")) / name
+    if (reuse / "repro-done").is_file():
+        subprocess.run(["cp", "-a", str(reuse), str(repo.parent)], check=True)
+        return repo
+    repo.mkdir(parents=True)
+    make_repo(repo, overrides)
+    _run(repo, "dvc", "repro")
+    done.write_text("ok\n")
+    return repo
+
+
+def tiny_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shrunken default pipeline (vLLM backends, online evaluation) run by `dvc repro`."""
+    return session_run(tmp_path_factory, "e2e", SMALL)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_pipeline(tmp_path_factory)
+
+
+def test_store_shapes_and_layer_ids(pipeline: Path) -> None:
+    from safetensors.torch import load_file
+
+    manifest = json.loads((pipeline / "data/hidden_states/manifest.json").read_text())
+    assert manifest["layer_ids"] == [2, 4, 5, 8] and manifest["final_layer_id"] == 8
+    rows = {}
+    for split in ("train", "val"):
+        for line in (pipeline / f"data/tokenized/{split}.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            rows[r["id"]] = r
+    assert set(manifest["samples"]) == set(rows)
+    for sid, entry in list(manifest["samples"].items())[:10]:
+        t = load_file(str(pipeline / "data/hidden_states" / entry["file"]))
+        assert t["hidden_states"].shape == (len(rows[sid]["input_ids"]), 4, 64)
+        assert t["token_ids"].tolist() == rows[sid]["input_ids"]
+        assert entry["num_tokens"] == len(rows[sid]["input_ids"])
+
+
+def test_generated_and_tokenized(pipeline: Path) -> None:
+    rows = [
+        json.loads(x) for x in (pipeline / "data/generated/train.jsonl").read_text().splitlines()
+    ]
+    assert rows and all(r["reasoning"] is not None for r in rows)
+    tok = [
+        json.loads(x) for x in (pipeline / "data/tokenized/train.jsonl").read_text().splitlines()
+    ]
+    assert all(len(r["input_ids"]) == len(r["loss_mask"]) <= 128 for r in tok)
+    assert all(0 < sum(r["loss_mask"]) < len(r["loss_mask"]) for r in tok)
+
+
+def test_metrics_are_sane(pipeline: Path) -> None:
+    vocab = json.loads((pipeline / "metrics/vocab.json").read_text())
+    assert 0.5 < vocab["coverage"] <= 1.0 and vocab["draft_vocab_size"] == 256
+    ev = json.loads((pipeline / "metrics/eval.json").read_text())
+    trained, untrained = ev["offline"]["trained"], ev["offline"]["untrained"]
+    assert 1.0 <= untrained["mean_acceptance_length"] < 1.2
+    assert trained["mean_acceptance_length"] > untrained["mean_acceptance_length"] + 0.3
+    assert trained["mean_acceptance_length"] <= 4.0 and trained["num_drafts"] > 100
+    online = ev["online"]  # the default profile serves the drafter with vLLM
+    assert ev["greedy_outputs_identical"] is True
+    assert 1.0 <= online["mean_acceptance_length"] <= 4.0 and online["num_prompts"] == 6
+    assert online["mean_acceptance_length"] > untrained["mean_acceptance_length"]
+    per_pos = trained["acceptance_per_position"]
+    assert per_pos == sorted(per_pos, reverse=True)  # a chain: later positions need earlier ones
+    train = json.loads((pipeline / "metrics/train.json").read_text())
+    assert 0 <= train["best_epoch"] < 8
+    loss = (pipeline / "metrics/train/plots/metrics/train/loss.tsv").read_text().splitlines()
+    assert loss[0] == "step\tloss" and len(loss) > 5
+    assert float(loss[-1].split()[1]) < float(loss[1].split()[1])  # training lowered the loss
+
+
+def test_drafter_config(pipeline: Path) -> None:
+    cfg = json.loads((pipeline / "models/drafter/config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert cfg["draft_vocab_size"] == 256
+    assert cfg["norm_before_fc"] is True and cfg["norm_output"] is True
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "data/verifier"
+    assert "auto_map" not in cfg
+
+
+def test_second_repro_is_noop_and_deps_are_per_stage(pipeline: Path) -> None:
+    out = _run(pipeline, "dvc", "repro")
+    assert "Running stage" not in out
+    assert "Data and pipelines are up to date" in _run(pipeline, "dvc", "status")
+    train_py = pipeline / "src/eagle3_pipeline/stages/train.py"
+    original = train_py.read_text()
+    try:
+        train_py.write_text(original + "\n# an edit to training code\n")
+        status = json.loads(_run(pipeline, "dvc", "status", "--json"))
+        assert "train" in status
+        assert not {"verifier", "prepare", "generate", "tokenize", "extract", "vocab"} & set(status)
+        dry = _run(pipeline, "dvc", "repro", "--dry", "--force-downstream")
+        ran = {
+            s
+            for s in ("extract", "train", "export", "evaluate")
+            if f"stage '{s}'" in dry and f"Running stage '{s}'" in dry
+        }
+        assert ran == {"train", "export", "evaluate"}
+    finally:
+        train_py.write_text(original)
+
+
+def _stages() -> list[str]:
+    return list(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"])
+
+
+def lock_outs(repo: Path) -> dict[str, str]:
+    """{output path: md5} of every stage output in dvc.lock."""
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    return {o["path"]: o["md5"] for s in lock["stages"].values() for o in s.get("outs", [])}
+
+
+def test_every_stage_records_provenance_outside_the_outputs(pipeline: Path) -> None:
+    init = _run(pipeline, "git", "rev-list", "--max-parents=0", "HEAD").strip()
+    records = {
+        s: json.loads((pipeline / f"metrics/provenance/{s}.json").read_text()) for s in _stages()
+    }
+    for stage, rec in records.items():
+        assert rec["stage"] == stage and rec["dvc_stage"] == stage
+        assert rec["git_commit"] == init
+        # dvc.lock and metrics/ were rewritten by earlier stages: still a clean checkout
+        assert rec["git_dirty"] is False, rec["git_dirty_files"]
+        assert rec["experiment"] is None and rec["params_changed_vs_commit"] == {}
+        assert {"torch", "transformers", "speculators", "dvc"} <= set(rec["versions"])
+    assert len({r["params_sha256"] for r in records.values()}) == 1
+    assert "provenance" not in (pipeline / "dvc.lock").read_text()
+    shown = subprocess.run(
+        ["eagle3", "provenance", "models/drafter/config.json"],
+        cwd=pipeline,
+        env=_env(pipeline),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert json.loads(shown) == records["export"]
+
+
+def test_a_new_commit_reruns_nothing(pipeline: Path) -> None:
+    before = lock_outs(pipeline)
+    commit(pipeline, "the run: dvc.lock, metrics, provenance")
+    commit(pipeline, "an unrelated later commit")
+    assert "Data and pipelines are up to date" in _run(pipeline, "dvc", "status")
+    assert "Running stage" not in _run(pipeline, "dvc", "repro")
+    assert lock_outs(pipeline) == before
+
+
+def _files_holding(root: Path, needles: list[bytes], paths: list[str]) -> list[str]:
+    hits = []
+    for rel in paths:
+        top = root / rel
+        for f in [top] if top.is_file() else sorted(p for p in top.rglob("*") if p.is_file()):
+            data = f.read_bytes()
+            hits += [f"{f.relative_to(root)}: {n.decode()}" for n in needles if n in data]
+    return hits
+
+
+def test_no_output_holds_an_absolute_path(pipeline: Path) -> None:
+    needles = [str(pipeline).encode(), str(pipeline.parent).encode(), str(REPO).encode()]
+    outs = [*lock_outs(pipeline), "metrics/eval.json", "metrics/vocab.json", "metrics/train.json"]
+    assert _files_holding(pipeline, needles, outs) == []
+    cfg = json.loads((pipeline / "models/drafter/config.json").read_text())
+    assert cfg["eagle3_pipeline"]["verifier"]["name_or_path"] == "data/verifier"
+    # speculators' argv record stays in the scratch folder, with the paths as passed (relative)
+    argv = (pipeline / "data/.work/train/checkpoints/train_command.txt").read_text()
+    assert "--verifier-name-or-path data/verifier" in argv
+    assert [f for o in outs[:-3] for f in (pipeline / o).rglob("train_command.txt")] == []
+    probe = pipeline / "data/.work/probe.txt"  # the scanner does find a path where there is one
+    probe.write_text(f"x {pipeline}/data/verifier x")
+    assert _files_holding(pipeline, needles, ["data/.work/probe.txt"])
+    probe.unlink()
+
+
+# Recomputed from scratch in a second folder. generate, extract and evaluate start vLLM servers or
+# engines (minutes each on 2 CPU cores) and are left out to keep the suite's time budget.
+RERUN = ("verifier", "prepare", "tokenize", "vocab", "train", "export")
+# Wall-clock measurements inside a DVC output: they differ on every run (README, "Determinism").
+WALL_CLOCK = {
+    "metrics/train/metrics.json": ("train", "tokens_per_s"),
+    "metrics/train/plots/metrics/train/tokens_per_s.tsv": None,
+}
+
+
+def _files_of(root: Path, out: str) -> set[Path]:
+    top = root / out
+    return {Path(out)} if top.is_file() else {p.relative_to(root) for p in top.rglob("*")}
+
+
+def _differing_files(a: Path, b: Path, outs: list[str]) -> list[str]:
+    """Files of `outs` present in one tree only, or with different bytes."""
+    diff: set[Path] = set()
+    for out in outs:
+        fa, fb = _files_of(a, out), _files_of(b, out)
+        diff |= fa ^ fb
+        diff |= {
+            f for f in fa & fb if (a / f).is_file() and (a / f).read_bytes() != (b / f).read_bytes()
+        }
+    return sorted(str(f) for f in diff)
+
+
+def _same_but_wall_clock(a: Path, b: Path, rel: str) -> bool:
+    key = WALL_CLOCK[rel]
+    if key is None:
+        return True
+    ja, jb = (json.loads((r / rel).read_text()) for r in (a, b))
+    for doc in (ja, jb):
+        doc[key[0]].pop(key[1], None)
+    return ja == jb
+
+
+def test_rerun_from_scratch_in_another_folder_gives_the_same_hashes(
+    pipeline: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Determinism and portability at once: a clone elsewhere recomputes byte-equal outputs."""
+    commit(pipeline, "the run")
+    clone = tmp_path_factory.mktemp("elsewhere") / "a-clone-in-a-longer-folder-name"
+    _run(pipeline, "git", "clone", "-q", str(pipeline), str(clone))
+    # the teammate's cache provides the vLLM stages' outputs; recomputed ones never touch it
+    _run(clone, "dvc", "cache", "dir", "--local", str(pipeline / ".dvc/cache"))
+    _run(clone, "dvc", "checkout")
+    out = _run(clone, "dvc", "repro", "--force", "--single-item", *RERUN)
+    assert all(f"Running stage '{s}'" in out for s in RERUN)
+    a, b = lock_outs(pipeline), lock_outs(clone)
+    differ = sorted(p for p in a if a[p] != b.get(p))
+    files = _differing_files(pipeline, clone, differ)
+    assert set(files) <= set(WALL_CLOCK), f"outputs differ between two runs: {differ}: {files}"
+    assert all(_same_but_wall_clock(pipeline, clone, f) for f in files)
+    assert set(differ) <= {"metrics/train"}  # nothing downstream reads it: nothing reruns
+    assert "Data and pipelines are up to date" in _run(clone, "dvc", "status")
+    needles = [str(clone).encode(), str(clone.parent).encode()]
+    assert _files_holding(clone, needles, [*b, "metrics/vocab.json", "metrics/train.json"]) == []

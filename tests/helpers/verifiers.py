@@ -1,0 +1,61 @@
+"""Tiny verifiers built by the real verifier stage, shrunk to seconds, for tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def build_tiny_verifier(out: Path, **tiny: object) -> Path:
+    """A small verifier built by the real verifier stage; `tiny` overrides its shape/training."""
+    from eagle3_pipeline.params import Params
+    from eagle3_pipeline.stages import verifier as stage
+
+    shape = {
+        "train_steps": 5,
+        "corpus": str(REPO / "data/corpus/verifier_corpus.jsonl"),
+        "vocab_size": 1024,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        # head_dim 32: vLLM's CPU attention rejects head_dim 16
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    }
+    params = Params.model_validate(
+        {"verifier": {"tiny": shape | tiny}, "vocab": {"draft_vocab_size": 256}}
+    )
+    out.mkdir(parents=True)
+    stage.build_tiny(params, out)
+    return out
+
+
+def build_tiny_dsv3_verifier(out: Path, **tiny: object) -> Path:
+    """A small Kimi-K2.5-like verifier (DeepSeek-V3 MLA + MoE under text_config), as the
+    tiny-dsv3 profile builds it, shrunk to seconds: 3 layers, hidden 64, 5 tiny training steps."""
+    from eagle3_pipeline.params import Params
+    from eagle3_pipeline.stages import verifier as stage
+
+    shape = {
+        "architecture": "deepseek_v3",
+        "train_steps": 5,
+        "corpus": str(REPO / "data/corpus/verifier_corpus.jsonl"),
+        "vocab_size": 1024,
+        "num_hidden_layers": 3,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,  # MLA head dims qk_nope = v = 32
+        "num_key_value_heads": 2,
+        "train_batch_size": 2,
+        "train_seq_len": 32,
+    }
+    params = Params.model_validate(
+        {
+            "verifier": {"tiny": shape | tiny},
+            "layers": {"aux_layer_ids": [0, 1, 2], "final_layer_id": 3},
+            "vocab": {"draft_vocab_size": 256},
+        }
+    )
+    out.mkdir(parents=True)
+    stage.build_tiny(params, out)
+    return out

@@ -1,0 +1,391 @@
+"""Online evaluation against real vLLM servers, plus the stage's glue without vLLM.
+
+The vLLM tests start three servers, once each per module (~40-90 s apiece on 2 cores): a const
+pair that must accept every draft, and an untrained drafter with and without speculation, which
+must accept almost nothing and must not change the greedy output. Each server is stopped before
+its fixture returns, so the last test can check that none of their processes survived.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from drafter_fixtures import build_drafter
+from safetensors.torch import load_file, save_file
+from verifiers import build_tiny_verifier
+
+from eagle3_pipeline.errors import DataError, ServerError
+from eagle3_pipeline.evaluation import online as oe
+from eagle3_pipeline.params import Params
+from eagle3_pipeline.serving.server import ServerSpec, serve
+from eagle3_pipeline.stages import evaluate
+
+REPO = Path(__file__).resolve().parents[2]
+K = 3
+DRAFT_VOCAB = 256
+AUX_IDS = [2, 4, 5]
+PROMPTS = [
+    "What is the sun made of?",
+    "How should I store fresh herbs?",
+    "A square garden has sides of 12 metres. What is its perimeter?",
+    "What is an eclipse?",
+    "Name three rivers in Europe.",
+    "Why is the sky blue?",
+]
+SETTINGS = oe.Settings(
+    num_speculative_tokens=K,
+    max_new_tokens=24,
+    concurrency=2,
+    chat_template_kwargs={"thinking": True},
+    request_timeout_s=600.0,
+)
+CONVERSATIONS = [[{"role": "user", "content": p}] for p in PROMPTS]
+
+# Process group of every server this module started -> its live processes while it served
+# (api_server, EngineCore, worker: vLLM keeps its children in the leader's group).
+STARTED: dict[int, list[int]] = {}
+
+
+# --- models ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served_verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random weights (0 training steps): varied greedy text, a harder identity check."""
+    return build_tiny_verifier(tmp_path_factory.mktemp("served") / "verifier", train_steps=0)
+
+
+def build_untrained_drafter(verifier: Path, out: Path, draft_vocab: int) -> Path:
+    """An untrained EAGLE-3 drafter built and saved by speculators itself, as training would.
+
+    The draft vocab is the first `draft_vocab` target ids (d2t all zero), so draft id 0 is
+    target id 0, which the const pair relies on.
+    """
+    model = build_drafter(
+        verifier,
+        list(range(draft_vocab)),
+        AUX_IDS,
+        seed=0,
+        random_head=False,
+        perturb_norms=False,
+        ttt_steps=K,
+    )
+    model.save_pretrained(out)
+    return out
+
+
+def zero_weight(src: Path, dst: Path, key: str) -> Path:
+    """A copy of a model whose `key` (a final norm weight) is zero: all logits become 0, so
+    greedy always picks token 0 (as /work/shared/reference/make_const_pair.py does)."""
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    weights[key] = torch.zeros_like(weights[key])
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def models(served_verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("drafters")
+    drafter = build_untrained_drafter(served_verifier_dir, root / "drafter", DRAFT_VOCAB)
+    return {
+        "verifier": served_verifier_dir,
+        "drafter": drafter,
+        "const_verifier": zero_weight(
+            served_verifier_dir, root / "verifier-const", "model.norm.weight"
+        ),
+        "const_drafter": zero_weight(drafter, root / "drafter-const", "norm.weight"),
+        "logs": root / "logs",
+    }
+
+
+# --- servers ---------------------------------------------------------------------------------
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, pgid) of a live process, from /proc (fields after the parenthesised name)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    return fields[0], int(fields[2])
+
+
+def _group_members(pgids: set[int] | dict[int, Any]) -> list[int]:
+    """Live (non-zombie) processes whose process group is one of `pgids`."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        stat = _proc_stat(int(entry.name)) if entry.name.isdigit() else None
+        if stat is not None and stat[1] in pgids and stat[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def _server_pgid(url: str) -> int:
+    """The process group of the api_server listening on the url's port."""
+    port = url.rsplit(":", 1)[1]
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in argv and port.encode() in argv:
+            stat = _proc_stat(int(entry.name))
+            if stat is not None:
+                return stat[1]
+    raise AssertionError(f"no vLLM api_server process found for {url}")
+
+
+def recording_runner(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+    """oe.serve_and_measure, noting the server's process group for the leak check."""
+    with serve(spec) as url:
+        pgid = _server_pgid(url)
+        STARTED[pgid] = _group_members({pgid})
+        return oe.measure(url, conversations, settings)
+
+
+def _base_spec(verifier: Path, logs: Path) -> ServerSpec:
+    return ServerSpec(model=str(verifier), log_file=logs / "vllm.log", ready_timeout_s=900.0)
+
+
+@pytest.fixture(scope="module")
+def const_run(models: dict) -> oe.RunResult:
+    _, spec = oe.server_specs(
+        _base_spec(models["const_verifier"], models["logs"]),
+        models["const_drafter"],
+        K,
+        models["logs"] / "const",
+    )
+    return recording_runner(spec, CONVERSATIONS, SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def random_eval(models: dict) -> tuple[dict[str, Any], list[int], dict[str, oe.RunResult]]:
+    runs: dict[str, oe.RunResult] = {}
+
+    def runner(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+        runs["spec" if spec.speculative_config else "baseline"] = result = recording_runner(
+            spec, conversations, settings
+        )
+        return result
+
+    base = _base_spec(models["verifier"], models["logs"])
+    section, differing = oe.evaluate(
+        base, models["drafter"], CONVERSATIONS, SETTINGS, models["logs"] / "random", runner
+    )
+    return section, differing, runs
+
+
+@pytest.mark.vllm
+def test_const_pair_accepts_every_draft(const_run: oe.RunResult) -> None:
+    result = oe.acceptance(const_run.counters, K)
+    assert result["num_drafts"] > 0, const_run.counters
+    assert result["acceptance_rate"] >= 0.95, result
+    assert result["mean_acceptance_length"] >= 1 + 0.95 * K, result
+    assert all(p >= 0.95 for p in result["acceptance_per_position"]), result
+    assert const_run.output_tokens == len(PROMPTS) * SETTINGS.max_new_tokens
+
+
+@pytest.mark.vllm
+def test_random_drafter_accepts_almost_nothing(random_eval: tuple) -> None:
+    section, _, _ = random_eval
+    assert section["num_drafts"] > 0, section
+    assert section["acceptance_rate"] <= 0.05, section
+    assert section["mean_acceptance_length"] <= 1.15, section
+    assert section["num_prompts"] == len(PROMPTS)
+    assert section["tokens_per_s"] > 0 and section["tokens_per_s_baseline"] > 0
+    assert section["speedup"] == pytest.approx(
+        section["tokens_per_s"] / section["tokens_per_s_baseline"]
+    )
+
+
+@pytest.mark.vllm
+def test_greedy_outputs_identical_with_and_without_drafter(random_eval: tuple) -> None:
+    _, differing, runs = random_eval
+    baseline, spec = runs["baseline"], runs["spec"]
+    assert baseline.output_tokens > len(PROMPTS) * 4, baseline.texts  # real outputs, not stubs
+    assert len({tuple(t) for t in baseline.token_ids}) > 1, baseline.texts  # varied outputs
+    assert differing == []
+    assert baseline.token_ids == spec.token_ids
+    assert baseline.texts == spec.texts
+    assert spec.counters["num_drafts"] > 0 and baseline.counters["num_drafts"] == 0
+    assert spec.counters["spec_decode_enabled"] and not baseline.counters["spec_decode_enabled"]
+    assert spec.counters["generation_tokens"] == spec.output_tokens
+
+
+@pytest.mark.vllm
+def test_no_server_process_left_behind(const_run: oe.RunResult, random_eval: tuple) -> None:
+    assert len(STARTED) == 3
+    assert all(len(members) >= 3 for members in STARTED.values()), STARTED
+    deadline = time.monotonic() + 30
+    while (alive := _group_members(STARTED)) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert alive == [], f"server processes still running: {alive}"
+
+
+# --- counters and the stage's glue, without vLLM ---------------------------------------------
+
+
+def _metrics(drafts: float, accepted_pos: list[float], engines: int = 1) -> dict[str, float]:
+    """/metrics as vllm_server.metrics returns it, for `engines` engines with equal counts."""
+    out: dict[str, float] = {}
+    for e in range(engines):
+        lab = f'engine="{e}",model_name="verifier"'
+        out[f"vllm:spec_decode_num_drafts_total{{{lab}}}"] = drafts
+        out[f"vllm:spec_decode_num_drafts_created{{{lab}}}"] = 1.7e9
+        out[f"vllm:spec_decode_num_draft_tokens_total{{{lab}}}"] = drafts * len(accepted_pos)
+        out[f"vllm:spec_decode_num_accepted_tokens_total{{{lab}}}"] = sum(accepted_pos)
+        for p, a in enumerate(accepted_pos):
+            key = f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="{p}"}}'
+            out[key] = a
+    return out
+
+
+def test_spec_counters_sum_engines_and_skip_created() -> None:
+    counts = oe.spec_counters(_metrics(10, [8, 4, 2], engines=2), K)
+    assert counts == {
+        "num_drafts": 20,
+        "num_draft_tokens": 60,
+        "num_accepted_tokens": 28,
+        "accepted_pos_0": 16,
+        "accepted_pos_1": 8,
+        "accepted_pos_2": 4,
+    }
+
+
+def test_acceptance_from_counter_deltas() -> None:
+    before = oe.spec_counters(_metrics(5, [5, 5, 5]), K)
+    after = oe.spec_counters(_metrics(15, [13, 9, 7]), K)
+    result = oe.acceptance(oe.delta(before, after), K)
+    assert result["num_drafts"] == 10 and result["num_draft_tokens"] == 30
+    assert result["acceptance_rate"] == pytest.approx(14 / 30)
+    assert result["mean_acceptance_length"] == pytest.approx(1 + 14 / 10)
+    assert result["acceptance_per_position"] == pytest.approx([0.8, 0.4, 0.2])
+
+
+def test_acceptance_without_drafts_is_neutral() -> None:
+    result = oe.acceptance(oe.spec_counters({}, K), K)
+    assert result["mean_acceptance_length"] == 1.0 and result["acceptance_rate"] == 0.0
+
+
+def test_split_key_reads_labels() -> None:
+    name, labels = oe.split_key('vllm:x_total{engine="0",model_name="a b",position="2"}')
+    assert name == "vllm:x_total"
+    assert labels == {"engine": "0", "model_name": "a b", "position": "2"}
+    assert oe.split_key("plain 1") == ("plain 1", {})
+    assert oe.split_key("plain") == ("plain", {})
+
+
+def test_mismatch_rule() -> None:
+    assert evaluate.is_mismatch(online_mal=1.2, offline_mal=3.0, ratio=0.5)
+    assert not evaluate.is_mismatch(online_mal=2.2, offline_mal=3.0, ratio=0.5)
+    assert not evaluate.is_mismatch(online_mal=1.0, offline_mal=1.0, ratio=0.5)
+
+
+def _fake_run(tokens: list[list[int]], wall: float, drafts: float, accepted: float) -> oe.RunResult:
+    counters = {"num_drafts": drafts, "num_draft_tokens": drafts * K}
+    counters |= {"num_accepted_tokens": accepted}
+    counters |= {f"accepted_pos_{p}": accepted / K for p in range(K)}
+    counters |= {"spec_decode_enabled": float(drafts > 0)}
+    return oe.RunResult(tokens, [str(t) for t in tokens], [len(t) for t in tokens], wall, counters)
+
+
+@pytest.fixture
+def stage_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(5)]
+    Path("data/prepared").mkdir(parents=True)
+    Path("data/prepared/val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp_path
+
+
+def _params(**evaluate_params: Any) -> Params:
+    return Params.model_validate(
+        {"evaluate": {"online": True, "max_eval_prompts": 3, **evaluate_params}}
+    )
+
+
+def test_stage_online_section_and_mismatch_line(
+    stage_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    seen: list[tuple[ServerSpec, int, oe.Settings]] = []
+
+    def fake(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+        seen.append((spec, len(conversations), settings))
+        if spec.speculative_config:
+            return _fake_run([[1, 2, 3]] * 3, wall=1.0, drafts=6, accepted=3)
+        return _fake_run([[1, 2, 3]] * 3, wall=2.0, drafts=0, accepted=0)
+
+    monkeypatch.setattr(oe, "serve_and_measure", fake)
+    params = _params(mismatch_ratio=0.5)
+    section, mismatched = evaluate.run_online(params)
+    out = evaluate.online_verdict(section, offline_mal=3.0, mismatched=mismatched, params=params)
+
+    assert [s.speculative_config for s, _, _ in seen] == [
+        None,
+        {"method": "eagle3", "model": "models/drafter", "num_speculative_tokens": 3},
+    ]
+    assert all(n == 3 for _, n, _ in seen)
+    assert seen[0][2] == seen[1][2] and seen[0][2].concurrency == params.evaluate.concurrency
+    assert seen[0][0].model == params.verifier.path
+    assert out["greedy_outputs_identical"] is True
+    assert out["mismatch"] is True  # 1.5 - 1 < 0.5 * (3.0 - 1)
+    online = out["online"]
+    assert online["mean_acceptance_length"] == pytest.approx(1.5)
+    assert online["tokens_per_s"] == 9 and online["tokens_per_s_baseline"] == 4.5
+    assert online["speedup"] == pytest.approx(2.0)
+    assert online["num_prompts"] == 3
+    lines = [x for x in capsys.readouterr().out.splitlines() if "MISMATCH" in x]
+    assert len(lines) == 1
+    for cause in ("layer ids", "d2t/t2d", "norm_before_fc/norm_output", "verifier"):
+        assert cause in lines[0]
+
+
+def test_stage_reports_differing_greedy_outputs(
+    stage_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fake(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+        tokens = [[1, 2], [3, 4], [5, 6]]
+        if spec.speculative_config:
+            tokens[1] = [3, 5]
+        return _fake_run(tokens, wall=1.0, drafts=4, accepted=4)
+
+    monkeypatch.setattr(oe, "serve_and_measure", fake)
+    params = _params()
+    section, mismatched = evaluate.run_online(params)
+    out = evaluate.online_verdict(section, offline_mal=2.0, mismatched=mismatched, params=params)
+    assert mismatched == ["p1"]
+    assert out["greedy_outputs_identical"] is False
+    assert out["online"]["greedy_mismatched_ids"] == ["p1"]
+    assert out["mismatch"] is False
+
+
+def test_stage_without_val_prompts_is_one_line_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match="val.jsonl: not found"):
+        evaluate.run_online(_params())
+
+
+def test_spec_run_without_counters_is_an_error(tmp_path: Path) -> None:
+    def fake(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+        return _fake_run([[1]], wall=1.0, drafts=0, accepted=0)
+
+    base = ServerSpec(model="v", log_file=tmp_path / "x.log")
+    with pytest.raises(ServerError, match="speculative decoding is off"):
+        oe.evaluate(base, "d", CONVERSATIONS[:1], SETTINGS, tmp_path, fake)
+
+
+def test_request_failure_is_one_line_server_error() -> None:
+    with pytest.raises(ServerError, match="chat completion failed"):
+        oe.complete("http://127.0.0.1:9", oe.chat_payload(CONVERSATIONS[0], SETTINGS), 2.0)

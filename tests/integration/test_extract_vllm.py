@@ -1,0 +1,169 @@
+"""extract with backend `vllm`: same store as the `hf` backend, layer for layer.
+
+The vLLM test runs the real stage twice in a temp dir (hf, then vllm) on the same samples and
+compares the stored files: token ids exactly, hidden states within bf16 rounding for every layer
+id. Aux ids are listed out of order and include 0 (the embeddings) so that the one translation
+between the conventions (vLLM returns layers in ascending order) is exercised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from extract_fixtures import extract_params
+from extract_fixtures import write_tokenized as shared_write_tokenized
+
+from eagle3_pipeline.errors import DataError
+from eagle3_pipeline.params import Params
+from eagle3_pipeline.serving import hidden_states as vllm_extract
+from eagle3_pipeline.stages import extract
+from eagle3_pipeline.store import format as store
+
+AUX_IDS = [5, 0, 3]
+N_LAYERS = 8  # the tiny_verifier_dir fixture
+LENGTHS = {"train": [7, 19, 33, 48, 61], "val": [26]}
+
+
+@pytest.fixture(scope="module")
+def verifier(tiny_verifier_dir: Path) -> Path:
+    """The shared tiny verifier (head_dim 32, which vLLM's CPU attention needs)."""
+    return tiny_verifier_dir
+
+
+def make_params(verifier: Path, backend: str) -> Params:
+    return extract_params(verifier, backend, AUX_IDS, N_LAYERS, max_tokens_per_batch=100)
+
+
+def write_tokenized(root: Path, vocab_size: int = 1024) -> dict[str, list[int]]:
+    return shared_write_tokenized(root, LENGTHS, vocab_size, prompt_tokens=2)
+
+
+def test_vllm_layer_order_is_ascending_and_inverted() -> None:
+    ordered, index = vllm_extract.vllm_layer_order([*AUX_IDS, N_LAYERS])
+    assert ordered == [0, 3, 5, 8]
+    assert [ordered[i] for i in index] == [*AUX_IDS, N_LAYERS]
+
+
+@pytest.mark.vllm  # imports vLLM (through the CPU connector module)
+def test_engine_kwargs_disable_prefix_caching_and_chunked_prefill(verifier) -> None:
+    params = make_params(verifier, "vllm")
+    kw = vllm_extract.engine_kwargs(params, [*AUX_IDS, N_LAYERS], Path("scratch"))
+    assert kw["enable_prefix_caching"] is False and kw["enable_chunked_prefill"] is False
+    spec = kw["speculative_config"]
+    assert spec["method"] == "extract_hidden_states"
+    hf_config = spec["draft_model_config"]["hf_config"]
+    assert hf_config["eagle_aux_hidden_state_layer_ids"] == [0, 3, 5, 8]
+    conn = kw["kv_transfer_config"]
+    assert Path(conn["kv_connector_extra_config"]["shared_storage_path"]).is_absolute()
+    if not torch.cuda.is_available():
+        assert conn["kv_connector_module_path"] == "eagle3_pipeline.serving.cpu_hs_connector"
+    assert kw["dtype"] == "float32"  # the verifier's own dtype, as the hf backend computes
+
+
+@pytest.mark.vllm  # imports vLLM's argument parser (~10-20 s)
+def test_extra_args_cannot_turn_on_prefix_caching(verifier) -> None:
+    params = make_params(verifier, "vllm")
+    params.vllm.extra_args = ["--enable-prefix-caching", "--dtype", "bfloat16", "--api-key", "k"]
+    kw = vllm_extract.engine_kwargs(params, [*AUX_IDS, N_LAYERS], Path("scratch"))
+    assert kw["enable_prefix_caching"] is False and kw["dtype"] == "bfloat16"
+    assert "api_key" not in kw  # a server-only flag
+
+
+def test_too_long_sample_is_refused_before_vllm_starts() -> None:
+    with pytest.raises(DataError, match="sample s1 has 300 tokens.*vllm.max_model_len"):
+        vllm_extract.check_prompt_lengths({"s0": 10, "s1": 300}, 256)
+
+
+def test_killed_run_redoes_at_most_one_batch(verifier, tmp_path, monkeypatch) -> None:
+    """Resume is the stage's, shared by both backends: a fake backend dies on its 2nd batch."""
+    monkeypatch.chdir(tmp_path)
+    prompts = write_tokenized(tmp_path)
+    n_batches = len(extract.token_budget_batches({s: len(p) for s, p in prompts.items()}, 100))
+    calls: list[int] = []
+
+    def fake_backend(fail_at: int | None):
+        def run_batch(batch: list[list[int]]) -> list[torch.Tensor]:
+            calls.append(len(batch))
+            if len(calls) == fail_at:
+                raise KeyboardInterrupt
+            return [torch.zeros(len(ids), len(AUX_IDS) + 1, 64) for ids in batch]
+
+        return lambda *_args: contextlib.nullcontext(run_batch)
+
+    params = make_params(verifier, "vllm")
+    monkeypatch.setattr(extract, "open_backend", fake_backend(fail_at=2))
+    with pytest.raises(KeyboardInterrupt):
+        extract.run(params)
+    monkeypatch.setattr(extract, "open_backend", fake_backend(fail_at=None))
+    extract.run(params)
+    assert n_batches == 3 and len(calls) == n_batches + 1  # batch 2 redone, batch 1 kept
+    assert store.read_manifest(Path("data/hidden_states"))["num_samples"] == len(prompts)
+
+
+def _store(root: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    manifest = store.read_manifest(root)
+    return manifest, {s: store.read_sample(root, e) for s, e in manifest["samples"].items()}
+
+
+@pytest.mark.vllm
+def test_vllm_backend_matches_hf_backend(verifier, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    prompts = write_tokenized(tmp_path)
+    t0 = time.monotonic()
+    extract.run(make_params(verifier, "hf"))
+    Path("data/hidden_states").rename("hf_store")
+    t1 = time.monotonic()
+    extract.run(make_params(verifier, "vllm"))
+    t2 = time.monotonic()
+    print(f"hf backend {t1 - t0:.1f} s, vllm backend {t2 - t1:.1f} s")
+
+    ref_manifest, ref = _store(Path("hf_store"))
+    manifest, got = _store(Path("data/hidden_states"))
+    assert manifest["layer_ids"] == [*AUX_IDS, N_LAYERS] == ref_manifest["layer_ids"]
+    assert manifest["num_samples"] == 6
+    assert manifest["num_tokens"] == sum(len(p) for p in prompts.values())
+    assert {k: v for k, v in manifest.items() if k != "samples"} == {
+        k: v for k, v in ref_manifest.items() if k != "samples"
+    }
+    for sid, entry in manifest["samples"].items():
+        assert entry["sha256"] == store.file_sha256(Path("data/hidden_states") / entry["file"])
+        assert entry["split"] == ("val" if sid.startswith("val") else "train")
+        assert entry["num_tokens"] == len(prompts[sid])
+    assert not list(Path("data/.work/extract").glob("vllm/*"))  # connector files all moved
+
+    worst = {lid: [0.0, 0.0] for lid in manifest["layer_ids"]}
+    for sid, sample in got.items():
+        assert sample["token_ids"].tolist() == prompts[sid] == ref[sid]["token_ids"].tolist()
+        torch.testing.assert_close(sample["loss_mask"], ref[sid]["loss_mask"])
+        for j, lid in enumerate(manifest["layer_ids"]):
+            a = sample["hidden_states"][:, j].float()
+            b = ref[sid]["hidden_states"][:, j].float()
+            torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-3, msg=f"{sid} layer {lid}")
+            diff = (a - b).abs().max().item()
+            worst[lid][0] = max(worst[lid][0], diff)
+            worst[lid][1] = max(worst[lid][1], diff / b.abs().max().item())
+    for lid, (abs_d, rel_d) in worst.items():
+        print(f"layer id {lid}: max abs diff {abs_d:.3g}, max diff / max |x| {rel_d:.3g}")
+    _check_final_is_before_norm(verifier, prompts, got)
+
+
+def _check_final_is_before_norm(verifier: Path, prompts, got) -> None:
+    """Id N is the last layer's output before the norm, not transformers' hidden_states[N]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(verifier).eval()
+    sid = max(prompts, key=lambda s: len(prompts[s]))
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([prompts[sid]]), output_hidden_states=True)
+    final = got[sid]["hidden_states"][:, -1].float()
+    post_norm = out.hidden_states[N_LAYERS][0]
+    assert not torch.allclose(final, post_norm, rtol=0.1, atol=0.1)
+    logits = model.lm_head(model.model.norm(final))
+    torch.testing.assert_close(logits, out.logits[0], rtol=0.05, atol=0.05)
+    for j, lid in enumerate(AUX_IDS):
+        aux = got[sid]["hidden_states"][:, j].float()
+        torch.testing.assert_close(aux, out.hidden_states[lid][0], rtol=1.6e-2, atol=1e-3)

@@ -1,0 +1,79 @@
+"""params.yaml validation: every user mistake is one clear line and a non-zero exit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle3_pipeline.cli import main
+from eagle3_pipeline.errors import ParamsError
+from eagle3_pipeline.params import load_params
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _write(tmp_path: Path, mutate) -> Path:
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    mutate(raw)
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_committed_params_and_profiles_are_valid() -> None:
+    load_params(REPO / "params.yaml")
+    for profile in (REPO / "profiles").glob("*.yaml"):
+        load_params(profile)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (lambda p: p["train"].update(epochz=3), "unknown key 'train.epochz'"),
+        (lambda p: p.update(tarin={"epochs": 1}), "unknown key 'tarin'"),
+        (lambda p: p["train"].update(epochs="three"), "field 'train.epochs'"),
+        (lambda p: p["train"].update(lr=-1), "field 'train.lr'"),
+        (lambda p: p["layers"].update(aux_layer_ids=[2, 4, 9]), "out of range"),
+        (lambda p: p["layers"].update(aux_layer_ids=[2, 4, 4]), "has duplicates"),
+        (lambda p: p["layers"].update(final_layer_id=7), "final id must equal num_hidden_layers"),
+        (lambda p: p["vocab"].update(draft_vocab_size=10**6), "larger than the verifier vocab"),
+        (lambda p: p["prepare"].update(val_ratio=1.5), "field 'prepare.val_ratio'"),
+    ],
+)
+def test_bad_params_one_line(tmp_path: Path, mutate, expected: str, capsys) -> None:
+    path = _write(tmp_path, mutate)
+    with pytest.raises(ParamsError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        load_params(path)
+    rc = main(["prepare", "--params", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert str(path) in err and expected in err
+
+
+def test_missing_and_malformed_files(tmp_path: Path, capsys) -> None:
+    assert main(["prepare", "--params", str(tmp_path / "nope.yaml")]) == 2
+    assert "file not found" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    assert main(["prepare", "--params", str(bad)]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+
+
+def test_default_aux_ids_need_seven_layers(tmp_path: Path) -> None:
+    def mutate(p):
+        p["layers"] = {"aux_layer_ids": None, "final_layer_id": None}
+        p["verifier"]["tiny"]["num_hidden_layers"] = 6
+
+    with pytest.raises(ParamsError, match="at least 7"):
+        load_params(_write(tmp_path, mutate))
+
+
+def test_default_layer_ids_resolve() -> None:
+    from eagle3_pipeline.layer_ids import resolve_layer_ids
+    from eagle3_pipeline.params import LayersParams
+
+    assert resolve_layer_ids(LayersParams(), 8) == ([2, 4, 5], 8)
+    assert resolve_layer_ids(LayersParams(), 61) == ([2, 30, 58], 61)
