@@ -1,6 +1,6 @@
 """Resume state of long stages: a scratch folder per stage and an append-only journal.
 
-Scratch folders (data/.work/<stage>/) are NOT DVC outputs (DESIGN.md: `persist: true` would make
+Scratch folders (data/.work/<stage>/) are NOT DVC outputs (`persist: true` would make
 DVC copy the whole output before each rerun); finished work moves into the output by rename.
 A scratch folder remembers the fingerprint of the inputs it was made from and is wiped when they
 change, so a resumed run never mixes rows made under other params.

@@ -9,7 +9,7 @@ config.json plus `draft_vocab_size` and `eagle_config.eagle_aux_hidden_state_lay
 `embed_tokens`, `input_norm`). speculators' converter renames `midlayer.` to `layers.0.` and
 keeps every other name; vLLM's flat loader does the same (`hf_to_vllm_mapper`).
 
-Aux-layer ids. Our ids are vLLM's (DESIGN.md): id k is the residual stream entering decoder
+Aux-layer ids. Our ids are vLLM's (layer_ids.py): id k is the residual stream entering decoder
 layer k. vLLM reads a draft config's ids as written (`eagle_aux_hidden_state_layer_ids` at the top
 level, else in `eagle_config`). SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids`
 and captures before layer `id + 1` (`set_eagle3_layers_to_capture`: `[val + 1 for val in

@@ -47,7 +47,7 @@ def engine_dtype(config: dict[str, Any]) -> str:
     """The verifier's own dtype, as the hf backend loads it.
 
     vLLM's "auto" downcasts a float32 checkpoint to bf16; the two backends would then compute
-    different tensors (DESIGN: they must agree).
+    different tensors (they must agree: tests/integration/test_extract_vllm.py).
     """
     dtype = str(
         vf.text_config(config).get("dtype")
