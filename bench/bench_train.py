@@ -3,12 +3,12 @@
 Target (issue "Training you can trust"): our wrapper costs <= 5% of speculators' throughput.
 
 Both sides train the same drafter on the same speculators data directory (written once from
-this repo's store, data/ read only) with the same TrainConfig (`build_train_config`):
+this repo's store, data/ read only) with the same TrainConfig (`run.build_train_config`):
 
 * direct: `speculators.train.cli.main(cfg)`, what `speculators train <flags>` runs, with only
   the CPU shims it cannot run without here (device "cpu", no accelerator sync, CPU autocast,
   gloo). The CLI as a subprocess would need the same patches, so it runs in-process;
-* ours: `speculators_compat.run_training` with everything the stage adds: metrics tap into
+* ours: `run.run_training` with everything the stage adds: metrics tap into
   DVCLive (a Live per run, a series per metric and step), plain log lines, the step control
   (grad-norm record), exact-resume state, completion markers, keep_last pruning.
 
@@ -28,8 +28,8 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
@@ -38,7 +38,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from eagle3_pipeline import atomic  # noqa: E402
 from eagle3_pipeline.store import format as store  # noqa: E402
-from eagle3_pipeline.training import speculators_compat as sc  # noqa: E402
+from eagle3_pipeline.training.data import (  # noqa: E402
+    TrainingSample,
+    train_data_ratio_for,
+    write_training_data,
+)
+from eagle3_pipeline.training.metrics import MetricsSink  # noqa: E402
+from eagle3_pipeline.training.run import (  # noqa: E402
+    TrainSettings,
+    build_train_config,
+    run_training,
+)
+from eagle3_pipeline.training.speculators_patches import apply_cpu_shims  # noqa: E402
 
 RESULTS = REPO / "bench/results/train.json"
 DATA = REPO / "data"
@@ -48,7 +59,7 @@ TARGET_OVERHEAD = 0.05
 def _training_inputs(work: Path) -> tuple[Path, int, int, int]:
     """The speculators data dir for this repo's store; (dir, train rows, rows, train tokens)."""
     manifest = store.read_manifest(DATA / "hidden_states")
-    samples: list[sc.TrainingSample] = []
+    samples: list[TrainingSample] = []
     n_train, tokens = 0, 0
     for split in ("train", "val"):
         for row in atomic.read_jsonl(DATA / "tokenized" / f"{split}.jsonl"):
@@ -64,7 +75,7 @@ def _training_inputs(work: Path) -> tuple[Path, int, int, int]:
                 n_train += 1
                 tokens += len(row["input_ids"])
     data_dir = work / "data"
-    sc.write_training_data(data_dir, samples)
+    write_training_data(data_dir, samples)
     return data_dir, n_train, len(samples), tokens
 
 
@@ -77,48 +88,48 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
     from dvclive import Live
 
-    from eagle3_pipeline.stages.train import MetricsSink
-
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     t = params["train"]
     aux = params["layers"]["aux_layer_ids"]
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
     try:
         data_dir, n_train, n_rows, train_tokens = _training_inputs(work)
-        common: dict[str, Any] = {
-            "data_dir": data_dir,
-            "verifier_dir": DATA / "verifier",
-            "d2t_path": DATA / "vocab/d2t.npy",
-            "t2d_path": DATA / "vocab/t2d.npy",
-            "draft_vocab_size": params["vocab"]["draft_vocab_size"],
-            "target_layer_ids": aux,
-            "epochs": args.epochs,
-            "lr": t["lr"],
-            "scheduler": t["scheduler"],
-            "warmup_ratio": t["warmup_ratio"],
-            "ttt_steps": t["ttt_steps"],
-            "ttt_step_loss_decay": t["ttt_step_loss_decay"],
-            "total_seq_len": t["max_tokens_per_batch"],
-            "seed": t["seed"],
-            "num_workers": t["num_workers"],
-            "train_data_ratio": sc.train_data_ratio_for(n_train, n_rows),
-            "log_every_steps": 1,
-        }
-        sc.apply_cpu_shims()
+        settings = TrainSettings(
+            data_dir=data_dir,
+            verifier_dir=DATA / "verifier",
+            save_dir=work / "ckpt",  # replaced per run
+            d2t_path=DATA / "vocab/d2t.npy",
+            t2d_path=DATA / "vocab/t2d.npy",
+            draft_vocab_size=params["vocab"]["draft_vocab_size"],
+            target_layer_ids=aux,
+            train_data_ratio=train_data_ratio_for(n_train, n_rows),
+            epochs=args.epochs,
+            lr=t["lr"],
+            scheduler=t["scheduler"],
+            warmup_ratio=t["warmup_ratio"],
+            noise_std=0.0,
+            ttt_steps=t["ttt_steps"],
+            ttt_step_loss_decay=t["ttt_step_loss_decay"],
+            total_seq_len=t["max_tokens_per_batch"],
+            seed=t["seed"],
+            num_workers=t["num_workers"],
+            metrics_every_steps=1,
+            train_lm_head=False,
+            keep_last=2,
+        )
+        apply_cpu_shims()
         from speculators.train.cli import main as speculators_main
 
         def direct(run: Path) -> None:
-            speculators_main(sc.build_train_config(save_dir=run / "ckpt", **common))
+            speculators_main(build_train_config(replace(settings, save_dir=run / "ckpt")))
 
         def ours(run: Path) -> None:
             with Live(dir=str(run / "live"), save_dvc_exp=False, dvcyaml=None, report=None) as live:
-                sc.run_training(
-                    save_dir=run / "ckpt",
-                    noise_std=0.0,
-                    on_metrics=MetricsSink(live, t["ttt_steps"], t.get("log_every_steps", 10)),
-                    train_lm_head=False,
-                    keep_last=2,
-                    **common,
+                run_training(
+                    replace(settings, save_dir=run / "ckpt"),
+                    on_metrics=MetricsSink(
+                        live, t["ttt_steps"], t.get("log_every_steps", 10), "train"
+                    ),
                 )
 
         times: dict[str, list[float]] = {"direct": [], "ours": []}

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from eagle3_pipeline import paths
 from eagle3_pipeline.errors import PipelineError
+from eagle3_pipeline.serving.server import vllm_env_defaults
 
 if TYPE_CHECKING:
     from eagle3_pipeline.params import Params
@@ -33,12 +34,11 @@ STAGES: dict[str, str] = {
 
 
 def _env_defaults() -> None:
-    """No hub access at run time, vLLM caches inside the workspace."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """No hub access at run time, vLLM caches inside the workspace (as vLLM servers get them)."""
+    for key, value in vllm_env_defaults().items():
+        os.environ.setdefault(key, value)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.abspath(paths.VLLM_CACHE))
     os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
 
@@ -123,7 +123,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_plan(args: argparse.Namespace, params: Params) -> None:
-    from eagle3_pipeline.plan import plan
+    from eagle3_pipeline.plan import plan, report
 
     result = plan.make_plan(
         params,
@@ -133,7 +133,7 @@ def _run_plan(args: argparse.Namespace, params: Params) -> None:
         tokens=args.tokens,
         prompts=args.prompts,
     )
-    print(plan.render(result), flush=True)
+    print(report.render(result), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

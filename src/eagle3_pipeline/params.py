@@ -41,6 +41,8 @@ class TinyVerifierParams(_Strict):
     num_key_value_heads: int = Field(2, ge=1)
     vocab_size: int = Field(2048, ge=300)
     max_position_embeddings: int = Field(2048, ge=64)
+    # lm_head shares the embedding matrix, as in many small pretrained chat models.
+    tie_word_embeddings: bool = False
     corpus: str = str(paths.CORPUS)
     train_steps: int = Field(300, ge=0)
     train_lr: float = Field(3e-3, gt=0)
@@ -74,6 +76,9 @@ class PrepareParams(_Strict):
     prompts: str = str(paths.PROMPTS)
     val_ratio: float = Field(0.1, ge=0.0, lt=1.0)
     max_prompts: int | None = Field(None, ge=1)
+    # A row ending with an assistant turn: refuse it, or drop that turn and let the verifier
+    # answer in its place (ShareGPT exports end with the answer of the model that wrote them).
+    trailing_assistant: Literal["refuse", "regenerate"] = "refuse"
 
 
 class VllmParams(_Strict):
@@ -206,13 +211,22 @@ def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
     if not path.is_file():
         raise ParamsError(f"{path}: file not found: run from the repo root or pass --params PATH")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_bytes())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise ParamsError(f"{path}:{where} is not valid YAML: fix the syntax") from None
+    if raw is None:
+        # Defaults the user never chose must not run silently: an empty file is a mistake.
+        raise ParamsError(
+            f"{path}: file is empty: copy a profile (make profile PROFILE=tiny-llama) or write "
+            "the sections (verifier, train, ...)"
+        )
     if not isinstance(raw, dict):
-        raise ParamsError(f"{path}: top level must be a mapping of sections (verifier, train, ...)")
+        raise ParamsError(
+            f"{path}: top level is a {type(raw).__name__}, not a mapping of sections "
+            "(verifier, train, ...): fix the file (see profiles/)"
+        )
     try:
         return Params.model_validate(raw, context={"path": str(path)})
     except ValidationError as err:

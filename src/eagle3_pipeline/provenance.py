@@ -154,9 +154,15 @@ def _experiment() -> dict[str, Any] | None:
     return {"name": name, "baseline_rev": baseline}
 
 
+def params_sha256(params: Params) -> str:
+    """The hash of the validated params (defaults filled in): equal iff every value is."""
+    return hashlib.sha256(
+        json.dumps(params.model_dump(mode="json"), sort_keys=True).encode()
+    ).hexdigest()
+
+
 def collect(stage: str, params: Params, *, params_path: str = "params.yaml") -> dict[str, Any]:
     """The record for `stage`, run from the repo root (DVC runs stages there)."""
-    params_json = json.dumps(params.model_dump(mode="json"), sort_keys=True)
     head = _git("rev-parse", "HEAD")
     commit = head.strip() if head else None
     dirty = dirty_files() if commit else None
@@ -168,7 +174,7 @@ def collect(stage: str, params: Params, *, params_path: str = "params.yaml") -> 
         "git_dirty": bool(dirty) if dirty is not None else None,
         "git_dirty_files": dirty[:MAX_LISTED_DIRTY] if dirty else [],
         "params_file": params_path,
-        "params_sha256": hashlib.sha256(params_json.encode()).hexdigest(),
+        "params_sha256": params_sha256(params),
         "params_changed_vs_commit": params_diff(params_path, baseline) if baseline else None,
         "profile": params.profile,
         "seeds": {"seed": params.seed, "train.seed": params.train.seed},

@@ -1,14 +1,37 @@
-"""Print what `make train` produced: where the drafter is and its measured acceptance."""
+"""Print what `make train` produced: where the drafter is and its measured acceptance.
+
+The numbers are this run's only if metrics/eval.json was measured under the current params: its
+provenance record says which params it was; a mismatch is said first and plainly, exit 1.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from eagle3_pipeline import paths
+from eagle3_pipeline import paths, provenance
+from eagle3_pipeline.errors import PipelineError
+from eagle3_pipeline.params import load_params
 
 DRAFTER = paths.DRAFTER
 EVAL = paths.EVAL_METRICS
+EVAL_RECORD = paths.PROVENANCE / "evaluate.json"
+
+
+def provenance_problem(params_file: str = "params.yaml") -> str | None:
+    """Why metrics/eval.json may not belong to the current params; None when it does."""
+    if not EVAL_RECORD.is_file():
+        return f"{EVAL_RECORD} not found: nothing says which params {EVAL} was measured with"
+    record = json.loads(EVAL_RECORD.read_text())
+    now = provenance.params_sha256(load_params(params_file))
+    if record.get("params_sha256") != now:
+        return (
+            f"{EVAL} was measured with other params than {params_file} holds now (recorded "
+            f"{record.get('recorded_at')} at commit {str(record.get('git_commit'))[:12]}, "
+            f"profile {record.get('profile')}; current profile {load_params(params_file).profile})"
+            ": these are NOT the numbers of the current params; run `dvc repro` (make train)"
+        )
+    return None
 
 
 def main() -> int:
@@ -17,6 +40,12 @@ def main() -> int:
             f"error: {EVAL} not found: the evaluate stage has not run (dvc repro)", file=sys.stderr
         )
         return 2
+    try:
+        problem = provenance_problem()
+    except PipelineError as exc:
+        problem = str(exc)
+    if problem:
+        print(f"WARNING: {problem}", file=sys.stderr)
     ev = json.loads(EVAL.read_text())
     tr, un = ev["offline"]["trained"], ev["offline"]["untrained"]
     print(
@@ -41,7 +70,7 @@ def main() -> int:
         )
         if ev.get("mismatch"):
             print("MISMATCH: online acceptance is far below the offline simulation (see evaluate)")
-    return 0
+    return 1 if problem else 0
 
 
 if __name__ == "__main__":

@@ -91,14 +91,22 @@ def identity(params: Params) -> dict[str, Any]:
 
 
 def needs_remote_code(config: dict[str, Any]) -> bool:
+    """This config (not its nested text config) names classes of the model's own code."""
     return bool(config.get("auto_map"))
 
 
-def check_remote_code(params: Params, config: dict[str, Any]) -> None:
-    if needs_remote_code(config) and not params.verifier.trust_remote_code:
+def has_custom_code(config: dict[str, Any]) -> bool:
+    """auto_map in config.json or in its text config: loading it runs the model's own code."""
+    return needs_remote_code(config) or needs_remote_code(text_config(config))
+
+
+def check_remote_code(params: Params, config: dict[str, Any], where: str | None = None) -> None:
+    """vLLM and transformers refuse auto_map models without trust_remote_code, at hour one."""
+    if has_custom_code(config) and not params.verifier.trust_remote_code:
         raise VerifierError(
-            f"{params.verifier.path}/config.json has auto_map (custom code): set "
-            "verifier.trust_remote_code: true in params.yaml if you trust this model's code"
+            f"{where or f'{params.verifier.path}/config.json'} has auto_map (custom code) but "
+            "verifier.trust_remote_code is false: set verifier.trust_remote_code: true if you "
+            "trust this model's code"
         )
 
 

@@ -3,117 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from pipeline_repo import REPO, commit, repo_env, run_in, tiny_pipeline
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
-
-SMALL = {
-    "verifier": {
-        "tiny": {
-            "train_steps": 150,  # a verifier whose answers carry a learnable signal
-            "vocab_size": 1024,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-        }  # head_dim 32 for vLLM CPU
-    },
-    "prepare": {"max_prompts": 60, "val_ratio": 0.2},
-    "generate": {"max_new_tokens": 32},
-    "evaluate": {"max_eval_prompts": 6, "max_new_tokens": 24},
-    "tokenize": {"max_seq_len": 128},
-    "vocab": {"draft_vocab_size": 256},
-    "train": {"epochs": 8, "max_tokens_per_batch": 512},
-}
-
-
-def _merge(base: dict, over: dict) -> dict:
-    for k, v in over.items():
-        base[k] = _merge(base.get(k, {}), v) if isinstance(v, dict) else v
-    return base
-
-
-def _env(repo: Path | None = None) -> dict[str, str]:
-    """The venv's tools; stages import the code of the repo they run in, not the editable install
-    (its files may change while a run takes minutes, and dvc.lock hashes the repo's own copy)."""
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
-    env.update(DVC_NO_ANALYTICS="1", HF_HUB_OFFLINE="1")
-    if repo is not None and (repo / "src/eagle3_pipeline").is_dir():
-        env["PYTHONPATH"] = str(repo / "src")
-    return env
-
-
-def _run(repo: Path, *cmd: str) -> str:
-    proc = subprocess.run(cmd, cwd=repo, env=_env(repo), capture_output=True, text=True)
-    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout + proc.stderr
-
-
-def make_repo(repo: Path, overrides: dict) -> Path:
-    """A fresh git repo holding the project's tracked files, params shrunk by `overrides`."""
-    files = subprocess.run(  # tracked and new (not ignored) files: the working tree's code
-        ["git", "ls-files", "-co", "--exclude-standard"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    for f in files:
-        if not (REPO / f).is_file():
-            continue  # deleted in the working tree, not yet committed
-        (repo / f).parent.mkdir(parents=True, exist_ok=True)
-        (repo / f).write_bytes((REPO / f).read_bytes())
-    params = _merge(yaml.safe_load((repo / "params.yaml").read_text()), overrides)
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    _run(repo, "git", "init", "-q")
-    commit(repo, "init")
-    return repo
-
-
-def commit(repo: Path, message: str) -> str:
-    _run(repo, "git", "add", "-A")
-    who = ("-c", "user.name=t", "-c", "user.email=t@t")
-    _run(repo, "git", *who, "commit", "-qm", message, "--allow-empty")
-    return _run(repo, "git", "rev-parse", "HEAD").strip()
-
-
-def session_run(tmp_path_factory: pytest.TempPathFactory, name: str, overrides: dict) -> Path:
-    """The pipeline run once per test session, shared by every module that asks for `name`.
-
-    Module fixtures of different files are separate objects; the session's base temp folder and
-    a marker written after a successful `dvc repro` make them share one run.
-    """
-    repo = tmp_path_factory.getbasetemp() / name / "repo"
-    done = repo.parent / "repro-done"
-    if done.is_file():
-        return repo
-    if repo.parent.exists():
-        shutil.rmtree(repo.parent)
-    # For iterating on the slow tests: EAGLE3_E2E_REUSE=<dir> copies a finished <dir>/<name>/
-    # (a previous session's basetemp) instead of running the DAG again; the copy keeps its links.
-    reuse = Path(os.environ.get("EAGLE3_E2E_REUSE", "/nonexistent")) / name
-    if (reuse / "repro-done").is_file():
-        subprocess.run(["cp", "-a", str(reuse), str(repo.parent)], check=True)
-        return repo
-    repo.mkdir(parents=True)
-    make_repo(repo, overrides)
-    _run(repo, "dvc", "repro")
-    done.write_text("ok\n")
-    return repo
-
-
-def tiny_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shrunken default pipeline (vLLM backends, online evaluation) run by `dvc repro`."""
-    return session_run(tmp_path_factory, "e2e", SMALL)
 
 
 @pytest.fixture(scope="module")
@@ -182,17 +79,17 @@ def test_drafter_config(pipeline: Path) -> None:
 
 
 def test_second_repro_is_noop_and_deps_are_per_stage(pipeline: Path) -> None:
-    out = _run(pipeline, "dvc", "repro")
+    out = run_in(pipeline, "dvc", "repro")
     assert "Running stage" not in out
-    assert "Data and pipelines are up to date" in _run(pipeline, "dvc", "status")
+    assert "Data and pipelines are up to date" in run_in(pipeline, "dvc", "status")
     train_py = pipeline / "src/eagle3_pipeline/stages/train.py"
     original = train_py.read_text()
     try:
         train_py.write_text(original + "\n# an edit to training code\n")
-        status = json.loads(_run(pipeline, "dvc", "status", "--json"))
+        status = json.loads(run_in(pipeline, "dvc", "status", "--json"))
         assert "train" in status
         assert not {"verifier", "prepare", "generate", "tokenize", "extract", "vocab"} & set(status)
-        dry = _run(pipeline, "dvc", "repro", "--dry", "--force-downstream")
+        dry = run_in(pipeline, "dvc", "repro", "--dry", "--force-downstream")
         ran = {
             s
             for s in ("extract", "train", "export", "evaluate")
@@ -214,7 +111,7 @@ def lock_outs(repo: Path) -> dict[str, str]:
 
 
 def test_every_stage_records_provenance_outside_the_outputs(pipeline: Path) -> None:
-    init = _run(pipeline, "git", "rev-list", "--max-parents=0", "HEAD").strip()
+    init = run_in(pipeline, "git", "rev-list", "--max-parents=0", "HEAD").strip()
     records = {
         s: json.loads((pipeline / f"metrics/provenance/{s}.json").read_text()) for s in _stages()
     }
@@ -230,7 +127,7 @@ def test_every_stage_records_provenance_outside_the_outputs(pipeline: Path) -> N
     shown = subprocess.run(
         ["eagle3", "provenance", "models/drafter/config.json"],
         cwd=pipeline,
-        env=_env(pipeline),
+        env=repo_env(pipeline),
         capture_output=True,
         text=True,
         check=True,
@@ -242,8 +139,8 @@ def test_a_new_commit_reruns_nothing(pipeline: Path) -> None:
     before = lock_outs(pipeline)
     commit(pipeline, "the run: dvc.lock, metrics, provenance")
     commit(pipeline, "an unrelated later commit")
-    assert "Data and pipelines are up to date" in _run(pipeline, "dvc", "status")
-    assert "Running stage" not in _run(pipeline, "dvc", "repro")
+    assert "Data and pipelines are up to date" in run_in(pipeline, "dvc", "status")
+    assert "Running stage" not in run_in(pipeline, "dvc", "repro")
     assert lock_outs(pipeline) == before
 
 
@@ -316,11 +213,11 @@ def test_rerun_from_scratch_in_another_folder_gives_the_same_hashes(
     """Determinism and portability at once: a clone elsewhere recomputes byte-equal outputs."""
     commit(pipeline, "the run")
     clone = tmp_path_factory.mktemp("elsewhere") / "a-clone-in-a-longer-folder-name"
-    _run(pipeline, "git", "clone", "-q", str(pipeline), str(clone))
+    run_in(pipeline, "git", "clone", "-q", str(pipeline), str(clone))
     # the teammate's cache provides the vLLM stages' outputs; recomputed ones never touch it
-    _run(clone, "dvc", "cache", "dir", "--local", str(pipeline / ".dvc/cache"))
-    _run(clone, "dvc", "checkout")
-    out = _run(clone, "dvc", "repro", "--force", "--single-item", *RERUN)
+    run_in(clone, "dvc", "cache", "dir", "--local", str(pipeline / ".dvc/cache"))
+    run_in(clone, "dvc", "checkout")
+    out = run_in(clone, "dvc", "repro", "--force", "--single-item", *RERUN)
     assert all(f"Running stage '{s}'" in out for s in RERUN)
     a, b = lock_outs(pipeline), lock_outs(clone)
     differ = sorted(p for p in a if a[p] != b.get(p))
@@ -328,6 +225,6 @@ def test_rerun_from_scratch_in_another_folder_gives_the_same_hashes(
     assert set(files) <= set(WALL_CLOCK), f"outputs differ between two runs: {differ}: {files}"
     assert all(_same_but_wall_clock(pipeline, clone, f) for f in files)
     assert set(differ) <= {"metrics/train"}  # nothing downstream reads it: nothing reruns
-    assert "Data and pipelines are up to date" in _run(clone, "dvc", "status")
+    assert "Data and pipelines are up to date" in run_in(clone, "dvc", "status")
     needles = [str(clone).encode(), str(clone.parent).encode()]
     assert _files_holding(clone, needles, [*b, "metrics/vocab.json", "metrics/train.json"]) == []

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_pipeline_e2e import commit, tiny_pipeline
+from pipeline_repo import commit, tiny_pipeline
 
 pytestmark = pytest.mark.slow
 BUCKET = "eagle3-test"

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 from train_workspace import build_workspace, checkpoints, run_stage, stage_command, stage_env
 
-from eagle3_pipeline.training import speculators_compat as sc
+from eagle3_pipeline.training import checkpoints as ck
 
 pytestmark = pytest.mark.slow
 TRAIN = {"epochs": 2, "keep_last": 1}
@@ -36,7 +36,7 @@ def _series(root: Path, name: str) -> list[tuple[str, str]]:
 
 
 def _kill_during_epoch_2(root: Path) -> None:
-    marker = checkpoints(root) / "0" / sc.COMPLETE_MARKER
+    marker = checkpoints(root) / "0" / ck.COMPLETE_MARKER
     proc = subprocess.Popen(
         stage_command(),
         cwd=root,
@@ -72,12 +72,12 @@ def test_sigkill_mid_epoch_then_rerun_equals_uninterrupted(
     # What a kill while epoch 2 was being saved leaves: files, no marker.
     half = checkpoints(killed) / str(LAST)
     shutil.copytree(checkpoints(killed) / "0", half)
-    (half / sc.COMPLETE_MARKER).unlink()
+    (half / ck.COMPLETE_MARKER).unlink()
     out = run_stage(killed)
     assert "resuming after epoch 0 (discarded incomplete: 1" in out
 
-    a = torch.load(checkpoints(whole) / str(LAST) / sc.EXACT_STATE, weights_only=False)["model"]
-    b = torch.load(checkpoints(killed) / str(LAST) / sc.EXACT_STATE, weights_only=False)["model"]
+    a = torch.load(checkpoints(whole) / str(LAST) / ck.EXACT_STATE, weights_only=False)["model"]
+    b = torch.load(checkpoints(killed) / str(LAST) / ck.EXACT_STATE, weights_only=False)["model"]
     assert a.keys() == b.keys()
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
     assert a["fc.weight"].dtype == torch.float32
@@ -93,5 +93,5 @@ def test_sigkill_mid_epoch_then_rerun_equals_uninterrupted(
 
     # keep_last 1: the newest complete epoch, plus the best one.
     for root in (whole, killed):
-        best = sc.best_checkpoint(checkpoints(root))
-        assert sc.complete_epochs(checkpoints(root)) == sorted({LAST, int(best.name)})
+        best = ck.best_checkpoint(checkpoints(root))
+        assert ck.complete_epochs(checkpoints(root)) == sorted({LAST, int(best.name)})

@@ -1,7 +1,9 @@
-"""A small workspace for the `train` stage: synthetic store, tokenized rows, vocab, params.
+"""Small inputs for training: a `train` stage workspace, or speculators-level run inputs.
 
-Shared by the training tests (resume, DDP); the hidden states are random but seeded, so two
-workspaces built alike hold identical bytes.
+`build_workspace` (synthetic store, tokenized rows, vocab, params) serves the stage tests (resume,
+DDP); `build_run_inputs` and `tiny_settings` (a tiny verifier, samples, d2t/t2d) the unit tests
+of eagle3_pipeline.training. Hidden states are random but seeded: inputs built alike are
+identical bytes.
 """
 
 from __future__ import annotations
@@ -10,16 +12,23 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import yaml
+from safetensors.torch import load_file, save_file
 
 AUX_IDS = [2, 4, 5]
 FINAL_ID = 8
 DRAFT_VOCAB = 128
+# build_run_inputs: its own tiny verifier (8 layers), N_ROWS samples of which N_TRAIN train.
+HIDDEN = 64
+VOCAB = 512
+N_ROWS = 24
+N_TRAIN = 18
 
 
 def build_workspace(
@@ -107,3 +116,93 @@ def run_stage(root: Path) -> str:
 
 def checkpoints(root: Path) -> Path:
     return root / "data/.work/train/checkpoints"
+
+
+def build_run_inputs(root: Path) -> dict[str, Any]:
+    """A tiny verifier, N_ROWS samples with random hidden states, and a d2t/t2d pair."""
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eagle3_pipeline.training.data import TrainingSample
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        num_hidden_layers=8,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+    )
+    LlamaForCausalLM(config).save_pretrained(root / "verifier")
+
+    gen = torch.Generator().manual_seed(0)
+    samples: list[TrainingSample] = []
+    freq: dict[int, int] = {}
+    (root / "store").mkdir()
+    for i in range(N_ROWS):
+        seq = int(torch.randint(32, 65, (1,), generator=gen))
+        ids = torch.randint(0, VOCAB, (seq,), generator=gen)
+        path = root / "store" / f"sample{i}.safetensors"
+        hidden = torch.randn(seq, len(AUX_IDS) + 1, HIDDEN, generator=gen)
+        save_file({"hidden_states": hidden.to(torch.bfloat16), "token_ids": ids}, path)
+        mask = [0] * (seq // 4) + [1] * (seq - seq // 4)
+        for token, supervised in zip(ids.tolist(), mask, strict=True):
+            freq[token] = freq.get(token, 0) + supervised
+        samples.append({"input_ids": ids.tolist(), "loss_mask": mask, "hidden_states_file": path})
+
+    d2t, t2d = build_vocab_mappings_from_distribution(freq, DRAFT_VOCAB, VOCAB)
+    np.save(root / "d2t.npy", d2t.numpy())
+    np.save(root / "t2d.npy", t2d.numpy())
+    return {"root": root, "samples": samples}
+
+
+def tiny_settings(inputs: dict[str, Any], run_dir: Path, **overrides: Any) -> Any:
+    """TrainSettings for one epoch on `build_run_inputs`, data and checkpoints in run_dir."""
+    from eagle3_pipeline.training.data import train_data_ratio_for
+    from eagle3_pipeline.training.run import TrainSettings
+
+    settings = TrainSettings(
+        data_dir=run_dir / "data",
+        verifier_dir=inputs["root"] / "verifier",
+        save_dir=run_dir / "ckpt",
+        d2t_path=inputs["root"] / "d2t.npy",
+        t2d_path=inputs["root"] / "t2d.npy",
+        draft_vocab_size=DRAFT_VOCAB,
+        target_layer_ids=AUX_IDS,
+        train_data_ratio=train_data_ratio_for(N_TRAIN, N_ROWS),
+        epochs=1,
+        lr=3e-3,
+        scheduler="cosine",
+        warmup_ratio=0.1,
+        noise_std=0.0,
+        ttt_steps=3,
+        ttt_step_loss_decay=1.0,
+        total_seq_len=256,
+        seed=0,
+        num_workers=0,
+    )
+    return replace(settings, **overrides)
+
+
+def train_tiny(
+    inputs: dict[str, Any], run_dir: Path, on_metrics: Any = None, **overrides: Any
+) -> list[tuple[int, dict]]:
+    """Run `run_training` on `tiny_settings`; the metric dicts it logged, with their steps."""
+    from eagle3_pipeline.training.data import write_training_data
+    from eagle3_pipeline.training.run import run_training
+
+    settings = tiny_settings(inputs, run_dir, **overrides)
+    if not settings.data_dir.exists():
+        write_training_data(settings.data_dir, inputs["samples"])
+    metrics: list[tuple[int, dict]] = []
+    run_training(settings, on_metrics or (lambda m, step: metrics.append((step, m))))
+    return metrics
+
+
+def verifier_head_rows(inputs: dict[str, Any]) -> torch.Tensor:
+    """The verifier's lm_head rows of the draft vocab (build_run_inputs), in bf16 as saved."""
+    verifier = load_file(inputs["root"] / "verifier" / "model.safetensors")
+    t2d = torch.from_numpy(np.load(inputs["root"] / "t2d.npy"))
+    return verifier["lm_head.weight"][t2d].to(torch.bfloat16)

@@ -59,3 +59,17 @@ def build_tiny_dsv3_verifier(out: Path, **tiny: object) -> Path:
     out.mkdir(parents=True)
     stage.build_tiny(params, out)
     return out
+
+
+def build_pretrained_like(out: Path, template: str, **tiny: object) -> Path:
+    """A verifier as a user downloads one: its own folder, tied embeddings, a chat template the
+    pipeline did not write (tests/helpers/templates.py), no `<think>` in the prompt unless the
+    template puts it there. Trained as the tiny profiles' verifier is, so its answers carry a
+    signal; then only the template changes, as `save_pretrained` writes it."""
+    from transformers import AutoTokenizer
+
+    build_tiny_verifier(out, **({"tie_word_embeddings": True} | tiny))
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(str(out))
+    return out

@@ -3,12 +3,12 @@
 The vLLM tests start three servers, once each per module (~40-90 s apiece on 2 cores): a const
 pair that must accept every draft, and an untrained drafter with and without speculation, which
 must accept almost nothing and must not change the greedy output. Each server is stopped before
-its fixture returns, so the last test can check that none of their processes survived.
+its fixture returns, so the last test can check that none of their processes survived. The fast
+tests run the stage's online glue with stand-in runs.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 import torch
 from drafter_fixtures import build_drafter
+from online_runs import fake_run, write_val_prompts
 from safetensors.torch import load_file, save_file
 from verifiers import build_tiny_verifier
 
-from eagle3_pipeline.errors import DataError, ServerError
+from eagle3_pipeline.errors import DataError
 from eagle3_pipeline.evaluation import online as oe
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving.server import ServerSpec, serve
@@ -187,7 +188,7 @@ def random_eval(models: dict) -> tuple[dict[str, Any], list[int], dict[str, oe.R
 
 @pytest.mark.vllm
 def test_const_pair_accepts_every_draft(const_run: oe.RunResult) -> None:
-    result = oe.acceptance(const_run.counters, K)
+    result = oe.served_acceptance(const_run.counters, K)
     assert result["num_drafts"] > 0, const_run.counters
     assert result["acceptance_rate"] >= 0.95, result
     assert result["mean_acceptance_length"] >= 1 + 0.95 * K, result
@@ -232,57 +233,7 @@ def test_no_server_process_left_behind(const_run: oe.RunResult, random_eval: tup
     assert alive == [], f"server processes still running: {alive}"
 
 
-# --- counters and the stage's glue, without vLLM ---------------------------------------------
-
-
-def _metrics(drafts: float, accepted_pos: list[float], engines: int = 1) -> dict[str, float]:
-    """/metrics as vllm_server.metrics returns it, for `engines` engines with equal counts."""
-    out: dict[str, float] = {}
-    for e in range(engines):
-        lab = f'engine="{e}",model_name="verifier"'
-        out[f"vllm:spec_decode_num_drafts_total{{{lab}}}"] = drafts
-        out[f"vllm:spec_decode_num_drafts_created{{{lab}}}"] = 1.7e9
-        out[f"vllm:spec_decode_num_draft_tokens_total{{{lab}}}"] = drafts * len(accepted_pos)
-        out[f"vllm:spec_decode_num_accepted_tokens_total{{{lab}}}"] = sum(accepted_pos)
-        for p, a in enumerate(accepted_pos):
-            key = f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="{p}"}}'
-            out[key] = a
-    return out
-
-
-def test_spec_counters_sum_engines_and_skip_created() -> None:
-    counts = oe.spec_counters(_metrics(10, [8, 4, 2], engines=2), K)
-    assert counts == {
-        "num_drafts": 20,
-        "num_draft_tokens": 60,
-        "num_accepted_tokens": 28,
-        "accepted_pos_0": 16,
-        "accepted_pos_1": 8,
-        "accepted_pos_2": 4,
-    }
-
-
-def test_acceptance_from_counter_deltas() -> None:
-    before = oe.spec_counters(_metrics(5, [5, 5, 5]), K)
-    after = oe.spec_counters(_metrics(15, [13, 9, 7]), K)
-    result = oe.acceptance(oe.delta(before, after), K)
-    assert result["num_drafts"] == 10 and result["num_draft_tokens"] == 30
-    assert result["acceptance_rate"] == pytest.approx(14 / 30)
-    assert result["mean_acceptance_length"] == pytest.approx(1 + 14 / 10)
-    assert result["acceptance_per_position"] == pytest.approx([0.8, 0.4, 0.2])
-
-
-def test_acceptance_without_drafts_is_neutral() -> None:
-    result = oe.acceptance(oe.spec_counters({}, K), K)
-    assert result["mean_acceptance_length"] == 1.0 and result["acceptance_rate"] == 0.0
-
-
-def test_split_key_reads_labels() -> None:
-    name, labels = oe.split_key('vllm:x_total{engine="0",model_name="a b",position="2"}')
-    assert name == "vllm:x_total"
-    assert labels == {"engine": "0", "model_name": "a b", "position": "2"}
-    assert oe.split_key("plain 1") == ("plain 1", {})
-    assert oe.split_key("plain") == ("plain", {})
+# --- the stage's glue, without vLLM (the module's own: tests/unit/evaluation/test_online.py)
 
 
 def test_mismatch_rule() -> None:
@@ -291,20 +242,10 @@ def test_mismatch_rule() -> None:
     assert not evaluate.is_mismatch(online_mal=1.0, offline_mal=1.0, ratio=0.5)
 
 
-def _fake_run(tokens: list[list[int]], wall: float, drafts: float, accepted: float) -> oe.RunResult:
-    counters = {"num_drafts": drafts, "num_draft_tokens": drafts * K}
-    counters |= {"num_accepted_tokens": accepted}
-    counters |= {f"accepted_pos_{p}": accepted / K for p in range(K)}
-    counters |= {"spec_decode_enabled": float(drafts > 0)}
-    return oe.RunResult(tokens, [str(t) for t in tokens], [len(t) for t in tokens], wall, counters)
-
-
 @pytest.fixture
 def stage_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
-    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(5)]
-    Path("data/prepared").mkdir(parents=True)
-    Path("data/prepared/val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_val_prompts(tmp_path)
     return tmp_path
 
 
@@ -322,8 +263,8 @@ def test_stage_online_section_and_mismatch_line(
     def fake(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
         seen.append((spec, len(conversations), settings))
         if spec.speculative_config:
-            return _fake_run([[1, 2, 3]] * 3, wall=1.0, drafts=6, accepted=3)
-        return _fake_run([[1, 2, 3]] * 3, wall=2.0, drafts=0, accepted=0)
+            return fake_run([[1, 2, 3]] * 3, wall=1.0, drafts=6, accepted=3)
+        return fake_run([[1, 2, 3]] * 3, wall=2.0, drafts=0, accepted=0)
 
     monkeypatch.setattr(oe, "serve_and_measure", fake)
     params = _params(mismatch_ratio=0.5)
@@ -357,7 +298,7 @@ def test_stage_reports_differing_greedy_outputs(
         tokens = [[1, 2], [3, 4], [5, 6]]
         if spec.speculative_config:
             tokens[1] = [3, 5]
-        return _fake_run(tokens, wall=1.0, drafts=4, accepted=4)
+        return fake_run(tokens, wall=1.0, drafts=4, accepted=4)
 
     monkeypatch.setattr(oe, "serve_and_measure", fake)
     params = _params()
@@ -375,17 +316,3 @@ def test_stage_without_val_prompts_is_one_line_error(
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataError, match="val.jsonl: not found"):
         evaluate.run_online(_params())
-
-
-def test_spec_run_without_counters_is_an_error(tmp_path: Path) -> None:
-    def fake(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
-        return _fake_run([[1]], wall=1.0, drafts=0, accepted=0)
-
-    base = ServerSpec(model="v", log_file=tmp_path / "x.log")
-    with pytest.raises(ServerError, match="speculative decoding is off"):
-        oe.evaluate(base, "d", CONVERSATIONS[:1], SETTINGS, tmp_path, fake)
-
-
-def test_request_failure_is_one_line_server_error() -> None:
-    with pytest.raises(ServerError, match="chat completion failed"):
-        oe.complete("http://127.0.0.1:9", oe.chat_payload(CONVERSATIONS[0], SETTINGS), 2.0)

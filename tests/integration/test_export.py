@@ -100,9 +100,10 @@ def test_flat_export_for_vllm(verifier: Path, tmp_path: Path) -> None:
     cwd = Path.cwd()
     os.chdir(root)
     try:
-        flat = drafter.load_drafter("models/drafter").state_dict()
-        spec = drafter.load_drafter("models/trained/best").state_dict()
-        fresh = drafter.fresh_drafter_like("models/drafter", *drafter.load_mapping("data/vocab"), 0)
+        flat = drafter.load_drafter("models/drafter", "data/verifier").state_dict()
+        spec = drafter.load_drafter("models/trained/best", "data/verifier").state_dict()
+        mapping_ = drafter.load_mapping("data/vocab")
+        fresh = drafter.fresh_drafter_like("models/drafter", "data/verifier", *mapping_, 0)
     finally:
         os.chdir(cwd)
     assert flat.keys() == spec.keys() and all(torch.equal(flat[k], spec[k]) for k in flat)

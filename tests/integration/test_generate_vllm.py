@@ -1,9 +1,9 @@
 """generate, backend vllm.
 
-Fast tests: the chat client's retries, backoff and concurrency, and the stage's failed-row
-sidecar, against a scripted fake server on 127.0.0.1. Marked `vllm`: the stage against a real
-vLLM server (reasoning split by its deepseek_r1 parser; resume after SIGKILL with no server left
-behind). One server is shared by the module; the killed stage starts its own.
+Fast tests: the stage's failed-row sidecar and its stop on a dead server, against a scripted fake
+server on 127.0.0.1 (the chat client itself: tests/unit/serving/test_chat.py). Marked `vllm`: the
+stage against a real vLLM server (reasoning split by its deepseek_r1 parser; resume after SIGKILL
+with no server left behind). One server is shared by the module; the killed stage starts its own.
 """
 
 from __future__ import annotations
@@ -13,200 +13,32 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 import yaml
+from fake_openai import DROP, error, fake_servers, sequence
+from fake_openai import reply as _reply
+from fake_openai import row_id as _row_id
 
 from eagle3_pipeline import atomic, resume
 from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving import chat as chat_client
 from eagle3_pipeline.serving import server as vllm_server
-from eagle3_pipeline.serving.chat import ChatClient, RequestFailed, complete_all, parse_reply
+from eagle3_pipeline.serving.chat import ChatClient
 from eagle3_pipeline.stages import generate
-
-DROP = "drop"  # a fake answer that closes the connection without a response
-Respond = Callable[[dict[str, Any]], Any]
-
-# ---------------------------------------------------------------------------------------------
-# A scripted OpenAI-like server on loopback
-
-
-class FakeServer:
-    """Answers each POST with `respond(body)`: (status, json), or DROP to hang up."""
-
-    def __init__(self, respond: Respond) -> None:
-        self.respond = respond
-        self.models_status = 200  # what GET /v1/models answers
-        self.bodies: list[dict[str, Any]] = []
-        self.in_flight = 0
-        self.max_in_flight = 0
-        self._lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.httpd.daemon_threads = True
-        self.httpd.handle_error = lambda request, address: None  # a client that gave up
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def _send(self, status: int, payload: Any) -> None:
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self) -> None:
-                self._send(fake.models_status, {"object": "list", "data": [{"id": "verifier"}]})
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with fake._lock:
-                    fake.bodies.append(body)
-                    fake.in_flight += 1
-                    fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)
-                try:
-                    answer = fake.respond(body)
-                finally:
-                    with fake._lock:
-                        fake.in_flight -= 1
-                if answer == DROP:
-                    self.close_connection = True
-                    return
-                self._send(*answer)
-
-        return Handler
-
-    def requested_ids(self) -> list[str]:
-        return [_row_id(b) for b in self.bodies]
 
 
 @pytest.fixture
-def fake() -> Iterator[Callable[[Respond], FakeServer]]:
-    servers: list[FakeServer] = []
-
-    def start(respond: Respond) -> FakeServer:
-        server = FakeServer(respond)
-        threading.Thread(target=server.httpd.serve_forever, args=(0.05,), daemon=True).start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.httpd.shutdown()
-        server.httpd.server_close()
-
-
-def _reply(reasoning: str | None, content: str | None, finish: str = "stop") -> tuple[int, dict]:
-    message = {"role": "assistant", "content": content, "reasoning": reasoning}
-    return 200, {"choices": [{"index": 0, "message": message, "finish_reason": finish}]}
-
-
-def _error(status: int, message: str) -> tuple[int, dict]:
-    return status, {"error": {"message": message, "type": "Error", "code": status}}
-
-
-def _row_id(body: dict[str, Any]) -> str:
-    return body["messages"][0]["content"].split()[-1]
-
-
-def _sequence(*answers: Any) -> Respond:
-    """Answers in order, the last one repeated."""
-    queue = list(answers)
-    return lambda body: queue.pop(0) if len(queue) > 1 else queue[0]
-
-
-# ---------------------------------------------------------------------------------------------
-# chat client
-
-
-def test_parse_reply_reads_reasoning_then_reasoning_content() -> None:
-    choice = {"finish_reason": "length", "message": {"content": None, "reasoning": "r"}}
-    assert parse_reply({"choices": [choice]}) == chat_client.ChatReply("r", "", "length")
-    old = {"message": {"content": "c", "reasoning_content": "old"}, "finish_reason": "stop"}
-    assert parse_reply({"choices": [old]}) == chat_client.ChatReply("old", "c", "stop")
-    with pytest.raises(RequestFailed, match="malformed response"):
-        parse_reply({"object": "error"})
-
-
-def test_backoff_doubles_up_to_a_cap() -> None:
-    client = ChatClient("http://127.0.0.1:1", backoff_s=1.0, max_backoff_s=5.0)
-    assert [client.backoff(i) for i in range(5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
-
-
-def test_5xx_and_dropped_connections_are_retried(fake) -> None:
-    server = fake(_sequence(_error(503, "overloaded"), DROP, _reply("why", "so")))
-    client = ChatClient(server.url, max_retries=3, backoff_s=0.01)
-    assert client.chat({"messages": [{"content": "x q0"}]}) == chat_client.ChatReply(
-        "why", "so", "stop"
-    )
-    assert len(server.bodies) == 3 and client.retries == 2
-
-
-def test_4xx_is_never_retried(fake) -> None:
-    server = fake(_sequence(_error(400, "max_tokens is too large"), _reply("r", "c")))
-    client = ChatClient(server.url, max_retries=3, backoff_s=0.01)
-    with pytest.raises(RequestFailed, match="^HTTP 400: max_tokens is too large$"):
-        client.chat({"messages": [{"content": "x q0"}]})
-    assert len(server.bodies) == 1 and client.retries == 0
-
-
-def test_timeouts_are_retried(fake) -> None:
-    calls = []
-
-    def slow_first(body: dict) -> tuple[int, dict]:
-        calls.append(1)
-        if len(calls) == 1:
-            time.sleep(1.0)
-        return _reply("r", "c")
-
-    server = fake(slow_first)
-    client = ChatClient(server.url, timeout_s=0.3, max_retries=2, backoff_s=0.01)
-    assert client.chat({"messages": [{"content": "x q0"}]}).content == "c"
-    assert len(server.bodies) == 2
-
-
-def test_gives_up_after_max_retries_with_the_last_reason(fake) -> None:
-    server = fake(_sequence(_error(500, "engine dead")))
-    client = ChatClient(server.url, max_retries=2, backoff_s=0.01)
-    with pytest.raises(RequestFailed, match=r"HTTP 500: engine dead \(gave up after 3 attempts"):
-        client.chat({"messages": [{"content": "x q0"}]})
-    assert len(server.bodies) == 3
-
-
-def test_connection_refused_is_retried_then_fails() -> None:
-    client = ChatClient(f"http://127.0.0.1:{vllm_server.free_port()}", max_retries=1, backoff_s=0)
-    with pytest.raises(RequestFailed, match="connection error.*gave up after 2 attempts"):
-        client.chat({"messages": []})
-
-
-def test_complete_all_keeps_concurrency_requests_in_flight(fake) -> None:
-    def slow(body: dict) -> tuple[int, dict]:
-        time.sleep(0.05)
-        return _reply("r", _row_id(body))
-
-    server = fake(slow)
-    client = ChatClient(server.url)
-    outcomes: list[chat_client.Outcome] = []
-    jobs = [(f"q{i}", {"messages": [{"content": f"x q{i}"}]}) for i in range(12)]
-    complete_all(client, jobs, 3, outcomes.append)
-    assert sorted(o.id for o in outcomes) == sorted(j[0] for j in jobs)
-    assert all(o.reply is not None and o.reply.content == o.id for o in outcomes)
-    assert 2 <= server.max_in_flight <= 3
+def fake() -> Iterator:
+    with fake_servers() as start:
+        yield start
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,9 +89,9 @@ def test_stage_failed_rows_go_to_the_sidecar_and_a_rerun_retries_only_them(
     def flaky(body: dict) -> tuple[int, dict]:
         rid = _row_id(body)
         if rid == "q03":
-            return _error(400, "prompt is too long")
+            return error(400, "prompt is too long")
         if rid == "q05":
-            return _error(500, "engine hiccup")
+            return error(500, "engine hiccup")
         return healthy(body)
 
     server = fake(flaky)
@@ -299,10 +131,10 @@ def test_stage_failed_rows_go_to_the_sidecar_and_a_rerun_retries_only_them(
     assert atomic.read_jsonl(tmp_path / "data/generated/failed.jsonl") == []
 
 
-def test_stage_where_every_request_fails_is_an_error(tmp_path: Path, fake, monkeypatch) -> None:
+def test_stage_where_every_request_fails_is_anerror(tmp_path: Path, fake, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     _prepare(tmp_path, 4)
-    server = fake(_sequence(_error(400, "max_tokens=4000 cannot be greater than max_model_len")))
+    server = fake(sequence(error(400, "max_tokens=4000 cannot be greater than max_model_len")))
     params = _params(_fake_verifier(tmp_path), server_url=server.url)
     with pytest.raises(ServerError, match=r"all 4 requests to .* failed, e\.g\. q00: HTTP 400"):
         generate.run(params)
@@ -332,7 +164,7 @@ def test_stage_stops_when_the_server_stops_answering(tmp_path: Path, fake, monke
     assert not (tmp_path / "data/generated").exists()
 
 
-def test_unreachable_server_url_is_a_one_line_error(tmp_path: Path, monkeypatch) -> None:
+def test_unreachable_server_url_is_a_one_lineerror(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     _prepare(tmp_path, 2)
     url = f"http://127.0.0.1:{vllm_server.free_port()}"

@@ -27,7 +27,8 @@ def _imports(path: Path) -> set[str]:
             and node.module.startswith("eagle3_pipeline")
         ):
             # `from pkg import mod` imports pkg/mod.py when mod is a module, not a name
-            package = PKG / node.module.removeprefix("eagle3_pipeline").lstrip(".").replace(".", "/")
+            rel = node.module.removeprefix("eagle3_pipeline").lstrip(".").replace(".", "/")
+            package = PKG / rel
             if package.is_dir():
                 found |= {
                     f"{node.module}.{a.name}"

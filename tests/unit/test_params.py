@@ -62,6 +62,26 @@ def test_missing_and_malformed_files(tmp_path: Path, capsys) -> None:
     assert "not valid YAML" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", "file is empty"),
+        ("# only a comment\n\n", "file is empty"),
+        ("- verifier\n- train\n", "top level is a list, not a mapping"),
+        ("tiny-llama\n", "top level is a str, not a mapping"),
+        (b"train:\n  lr: \xff\xfe\n", "not valid YAML"),
+    ],
+)
+def test_empty_or_non_mapping_params_refused(
+    tmp_path: Path, text: str | bytes, expected: str, capsys
+) -> None:
+    path = tmp_path / "params.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    assert main(["prepare", "--params", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and expected in err
+
+
 def test_default_aux_ids_need_seven_layers(tmp_path: Path) -> None:
     def mutate(p):
         p["layers"] = {"aux_layer_ids": None, "final_layer_id": None}

@@ -32,8 +32,13 @@ def is_flat(path: str | Path) -> bool:
     return raw.get("speculators_model_type") is None
 
 
-def _config(path: Path):  # -> Eagle3SpeculatorConfig
-    """The speculators config of a drafter directory in either format."""
+def _config(path: Path, verifier_path: str | Path):  # -> Eagle3SpeculatorConfig
+    """The speculators config of a drafter directory in either format, bound to a local verifier.
+
+    The saved config names the verifier as users know it (a hub id, say); speculators resolves
+    that name to read the verifier's config and weights. In memory it is replaced by the local
+    directory the run uses, so loading never reaches a hub, and the file keeps its name.
+    """
     from speculators.models.eagle3.core import Eagle3DraftModel
 
     if not (path / "config.json").is_file():
@@ -47,14 +52,22 @@ def _config(path: Path):  # -> Eagle3SpeculatorConfig
             flat_format.to_speculators_config(raw, verifier)
         )
     config.transformer_layer_config._attn_implementation = _attn_impl()  # noqa: SLF001
+    if not (Path(verifier_path) / "config.json").is_file():
+        raise CheckpointError(
+            f"{verifier_path}/config.json: not found: the drafter in {path} needs its verifier's "
+            "local directory (verifier.path in params.yaml)"
+        )
+    config.speculators_config.verifier.name_or_path = str(verifier_path)
     return config
 
 
-def load_drafter(path: str | Path):  # -> Eagle3DraftModel
+def load_drafter(path: str | Path, verifier_path: str | Path):  # -> Eagle3DraftModel
+    """A drafter directory as the server computes it, its verifier tensors read from
+    `verifier_path` (never from the name its config records)."""
     from speculators.models.eagle3.core import Eagle3DraftModel
 
     path = Path(path)
-    config = _config(path)
+    config = _config(path, verifier_path)
     if not is_flat(path):
         model = Eagle3DraftModel.from_pretrained(str(path), config=config)
         return model.float().eval()
@@ -79,11 +92,13 @@ def load_drafter(path: str | Path):  # -> Eagle3DraftModel
     return model.float().eval()
 
 
-def fresh_drafter_like(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, seed: int):
+def fresh_drafter_like(
+    path: str | Path, verifier_path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, seed: int
+):
     """An untrained drafter of the same shape: the baseline that training must beat."""
     from speculators.models.eagle3.core import Eagle3DraftModel
 
-    config = _config(Path(path))
+    config = _config(Path(path), verifier_path)
     torch.manual_seed(seed)
     model = Eagle3DraftModel(config)
     model.load_vocab_mappings(t2d, d2t)

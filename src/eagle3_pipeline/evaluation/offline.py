@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3_pipeline.errors import VerifierError
+from eagle3_pipeline.evaluation import acceptance
 
 
 @dataclass
@@ -36,16 +37,12 @@ class AcceptanceCounts:
             self.accepted_per_pos[k] += int(accepted_prefix[:, k].sum())
 
     def summary(self) -> dict:
-        accepted = sum(self.accepted_per_pos)
-        d = max(self.drafts, 1)
-        return {
-            "num_drafts": self.drafts,
-            "num_draft_tokens": self.drafts * self.num_steps,
-            "num_accepted_tokens": accepted,
-            "acceptance_rate": accepted / (d * self.num_steps),
-            "mean_acceptance_length": 1 + accepted / d,
-            "acceptance_per_position": [a / d for a in self.accepted_per_pos],
-        }
+        return acceptance.summary(
+            self.drafts,
+            self.drafts * self.num_steps,
+            sum(self.accepted_per_pos),
+            self.accepted_per_pos,
+        )
 
 
 class VerifierHead:

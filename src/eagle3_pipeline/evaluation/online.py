@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,10 @@ from typing import Any
 import requests
 
 from eagle3_pipeline.errors import ServerError
+from eagle3_pipeline.evaluation import acceptance
+from eagle3_pipeline.serving.chat import ChatClient, ChatReply, Outcome, RequestFailed, complete_all
 from eagle3_pipeline.serving.server import ServerSpec, metrics, serve
+from eagle3_pipeline.serving.server_spec import SERVED_NAME
 
 SPEC_PREFIX = "vllm:spec_decode_"
 _KEY = re.compile(r"^(?P<name>[^{\s]+)(?:\{(?P<labels>.*)\})?$")
@@ -37,7 +39,8 @@ class Settings:
     concurrency: int = 1
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     request_timeout_s: float = 600.0
-    served_model_name: str = "verifier"
+    max_retries: int = 4  # transient failures (no answer, 5xx), as chat.py retries them
+    served_model_name: str = SERVED_NAME
 
 
 @dataclass
@@ -63,7 +66,7 @@ class RunResult:
 
 
 def split_key(key: str) -> tuple[str, dict[str, str]]:
-    """`name{a="x",b="y"}` -> (name, {a: x, b: y}), as `vllm_server.metrics` keys them."""
+    """`name{a="x",b="y"}` -> (name, {a: x, b: y}), as `server.metrics` keys them."""
     m = _KEY.match(key.strip())
     if m is None:
         return key, {}
@@ -97,21 +100,14 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return {key: after[key] - before.get(key, 0.0) for key in after}
 
 
-def acceptance(counts: dict[str, float], k: int) -> dict[str, Any]:
-    """Acceptance rate and mean acceptance length exactly as vLLM's own dashboards define them."""
-    drafts = counts["num_drafts"]
-    draft_tokens = counts["num_draft_tokens"]
-    accepted = counts["num_accepted_tokens"]
-    return {
-        "num_drafts": int(drafts),
-        "num_draft_tokens": int(draft_tokens),
-        "num_accepted_tokens": int(accepted),
-        "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
-        "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
-        "acceptance_per_position": [
-            counts[f"accepted_pos_{p}"] / drafts if drafts else 0.0 for p in range(k)
-        ],
-    }
+def served_acceptance(counts: dict[str, float], k: int) -> dict[str, Any]:
+    """acceptance.summary of `spec_counters` (or their deltas)."""
+    return acceptance.summary(
+        counts["num_drafts"],
+        counts["num_draft_tokens"],
+        counts["num_accepted_tokens"],
+        [counts[f"accepted_pos_{p}"] for p in range(k)],
+    )
 
 
 def read_counters(url: str, k: int) -> dict[str, float]:
@@ -160,38 +156,51 @@ def chat_payload(messages: Messages, settings: Settings, max_tokens: int | None 
 Completion = tuple[list[int], str, int]
 
 
-def complete(url: str, payload: dict, timeout_s: float) -> Completion:
-    """(token ids, text, token count) of one chat completion; a failure is one ServerError line."""
+def client(url: str, settings: Settings) -> ChatClient:
+    return ChatClient(url, settings.request_timeout_s, settings.max_retries, stage="evaluate")
+
+
+def completion(reply: ChatReply, url: str) -> Completion:
+    """(token ids, text, token count); the text is reasoning + content (the server is started
+    without a reasoning parser, so reasoning is normally None)."""
+    if reply.completion_tokens is None:
+        raise ServerError(f"{url}: a chat completion without usage.completion_tokens")
+    text = (reply.reasoning or "") + reply.content
+    return list(reply.token_ids or []), text, reply.completion_tokens
+
+
+def complete(chat: ChatClient, payload: dict) -> Completion:
+    """One chat completion, retried by the client; a failure is one ServerError line."""
     try:
-        resp = requests.post(f"{url}/v1/chat/completions", json=payload, timeout=timeout_s)
-    except requests.RequestException as exc:
-        raise ServerError(f"{url}: chat completion failed: {exc}") from None
-    if resp.status_code != 200:
-        raise ServerError(f"{url}: chat completion HTTP {resp.status_code}: {resp.text[:300]}")
-    body = resp.json()
-    choice = body["choices"][0]
-    message = choice["message"]
-    reasoning = message.get("reasoning") or message.get("reasoning_content") or ""
-    text = reasoning + (message.get("content") or "")
-    return list(choice.get("token_ids") or []), text, int(body["usage"]["completion_tokens"])
+        reply = chat.chat(payload)
+    except RequestFailed as exc:
+        raise ServerError(f"{chat.base_url}: chat completion failed: {exc}") from None
+    return completion(reply, chat.base_url)
 
 
 def run_prompts(
     url: str, conversations: Sequence[Messages], settings: Settings
 ) -> tuple[list[Completion], float]:
-    """Send all prompts, `concurrency` at a time; (completions in order, wall seconds)."""
-    payloads = [chat_payload(m, settings) for m in conversations]
+    """Send all prompts, `concurrency` at a time; (completions in prompt order, wall seconds).
+
+    The first prompt that fails for good stops the run (the others are cancelled).
+    """
+    jobs = [(str(i), chat_payload(m, settings)) for i, m in enumerate(conversations)]
+    done: dict[int, Completion] = {}
+
+    def on_outcome(out: Outcome) -> None:
+        if out.reply is None:
+            raise ServerError(f"{url}: chat completion failed: {out.error}")
+        done[int(out.id)] = completion(out.reply, url)
+
     t0 = time.monotonic()
-    with ThreadPoolExecutor(max_workers=settings.concurrency) as pool:
-        results = list(pool.map(lambda p: complete(url, p, settings.request_timeout_s), payloads))
-    return results, time.monotonic() - t0
+    complete_all(client(url, settings), jobs, settings.concurrency, on_outcome)
+    return [done[i] for i in range(len(jobs))], time.monotonic() - t0
 
 
 def measure(url: str, conversations: Sequence[Messages], settings: Settings) -> RunResult:
     """Warm the server with one short request, then time the prompts and diff the counters."""
-    complete(
-        url, chat_payload(conversations[0], settings, max_tokens=4), settings.request_timeout_s
-    )
+    complete(client(url, settings), chat_payload(conversations[0], settings, max_tokens=4))
     k = settings.num_speculative_tokens
     before = settled_counters(url, k)
     results, wall = run_prompts(url, conversations, settings)
@@ -247,7 +256,7 @@ def online_section(baseline: RunResult, spec: RunResult, k: int) -> dict[str, An
     speedup = spec.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else 0.0
     return {
         "num_prompts": len(spec.texts),
-        **acceptance(spec.counters, k),
+        **served_acceptance(spec.counters, k),
         "output_tokens": spec.output_tokens,
         "output_tokens_baseline": baseline.output_tokens,
         "tokens_per_s": spec.tokens_per_s,

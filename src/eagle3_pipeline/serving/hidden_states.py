@@ -7,7 +7,7 @@ each prompt for one output token, read the file back and delete it; the caller w
 
 Layer ids: vLLM collects id i after decoder layer i-1 (`hidden_states + residual`, i.e. the input
 of layer i; id 0 = the embeddings) and id N after the last layer, before the final norm. That is
-the project's convention (layers.py), so ids pass through unchanged. The only translation is the
+the project's convention (layer_ids.py), so ids pass through unchanged. The only translation is the
 ORDER: vLLM collects layers in ascending order whatever order they were listed in, so
 `vllm_layer_order` asks for them sorted and `HiddenStateEngine` permutes the result back.
 """
@@ -32,6 +32,7 @@ from eagle3_pipeline.errors import DataError, VerifierError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
 from eagle3_pipeline.serving.server import patch_cpu_kernel_rebind, server_env
+from eagle3_pipeline.serving.server_spec import model_args
 
 GPU_CONNECTOR = "ExampleHiddenStatesConnector"
 _VLLM_DTYPES = {"float32", "bfloat16", "float16"}
@@ -117,17 +118,9 @@ def engine_kwargs(params: Params, layer_ids: list[int], storage_dir: Path) -> di
     ordered, _ = vllm_layer_order(layer_ids)
     config = vf.read_config(params.verifier.path)
     check_layer_ids(config, layer_ids)
-    defaults = {
-        "model": params.verifier.path,
-        "revision": params.verifier.revision,
-        "trust_remote_code": params.verifier.trust_remote_code,
-        "dtype": engine_dtype(config),
-        "max_model_len": v.max_model_len,
+    defaults = model_args(params, dtype=engine_dtype(config)) | {
         "max_num_batched_tokens": max(v.max_model_len, params.extract.max_tokens_per_batch),
-        "enforce_eager": v.enforce_eager,
-        "tensor_parallel_size": v.tensor_parallel_size,
         "seed": params.seed,
-        "language_model_only": vf.is_multimodal_wrapper(config),  # hidden states of text only
     }
     required = {
         "enable_prefix_caching": False,

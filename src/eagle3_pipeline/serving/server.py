@@ -36,10 +36,15 @@ from eagle3_pipeline.progress import log
 
 @dataclass
 class ServerSpec:
-    """What to serve and how; `extra_args` are passed to vLLM verbatim."""
+    """What to serve and how; `extra_args` are passed to vLLM verbatim.
+
+    Stages build it from params with `server_spec.verifier_spec`, never field by field.
+    """
 
     model: str
     log_file: Path
+    revision: str | None = None
+    dtype: str | None = None  # None: vLLM's own default ("auto")
     max_model_len: int = 2048
     enforce_eager: bool = True
     tensor_parallel_size: int = 1
@@ -60,16 +65,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def vllm_env_defaults() -> dict[str, str]:
+    """Offline, workspace-local caches, a small KV cache on CPU, no usage stats: what every vLLM
+    start (server, in-process engine, the CLI's own environment) gets unless the user set it."""
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CACHE_ROOT": os.path.abspath(paths.VLLM_CACHE),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+
+
 def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Offline, workspace-local caches, a small KV cache on CPU."""
-    env = dict(os.environ)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CACHE_ROOT", os.path.abspath(paths.VLLM_CACHE))
-    env.setdefault("VLLM_NO_USAGE_STATS", "1")
-    env.setdefault("DO_NOT_TRACK", "1")
-    env.update(extra or {})
-    return env
+    """This process's environment over `vllm_env_defaults`, then `extra`."""
+    return vllm_env_defaults() | dict(os.environ) | (extra or {})
 
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -143,6 +153,10 @@ def command(spec: ServerSpec, port: int) -> list[str]:
         cmd.append("--trust-remote-code")
     if spec.language_model_only:
         cmd.append("--language-model-only")
+    if spec.revision:
+        cmd += ["--revision", spec.revision]
+    if spec.dtype:
+        cmd += ["--dtype", spec.dtype]
     return cmd + list(spec.extra_args)
 
 

@@ -15,12 +15,12 @@ from eagle3_pipeline import atomic, paths
 from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.drafter import load as drafter
 from eagle3_pipeline.errors import DataError, ServerError, StoreError
-from eagle3_pipeline.evaluation import offline as acceptance
+from eagle3_pipeline.evaluation import offline
 from eagle3_pipeline.evaluation import online as online_eval
 from eagle3_pipeline.layer_ids import resolve_layer_ids
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
-from eagle3_pipeline.serving.server import ServerSpec
+from eagle3_pipeline.serving.server_spec import verifier_spec
 from eagle3_pipeline.store import format as store
 
 STAGE = "evaluate"
@@ -47,30 +47,32 @@ def run(params: Params) -> None:
     k = params.evaluate.num_speculative_tokens
     d2t, t2d = drafter.load_mapping(VOCAB_DIR)
     models = {
-        "trained": drafter.load_drafter(DRAFTER_DIR),
-        "untrained": drafter.fresh_drafter_like(DRAFTER_DIR, d2t, t2d, params.train.seed),
+        "trained": drafter.load_drafter(DRAFTER_DIR, params.verifier.path),
+        "untrained": drafter.fresh_drafter_like(
+            DRAFTER_DIR, params.verifier.path, d2t, t2d, params.train.seed
+        ),
     }
-    head = acceptance.VerifierHead(params.verifier.path, float(config.get("rms_norm_eps", 1e-6)))
-    counts = {name: acceptance.AcceptanceCounts(k) for name in models}
+    head = offline.VerifierHead(params.verifier.path, float(config.get("rms_norm_eps", 1e-6)))
+    counts = {name: offline.AcceptanceCounts(k) for name in models}
     progress = Progress(STAGE, len(val), unit="samples")
     for _sid, entry in sorted(val.items()):
         t = store.read_sample(STORE_DIR, entry)
         for name, model in models.items():
             counts[name].add(
-                acceptance.simulate_sample(
+                offline.simulate_sample(
                     model, head, t["hidden_states"], t["token_ids"], t["loss_mask"], k
                 )
             )
         progress.advance()
-    offline = {name: c.summary() for name, c in counts.items()}
+    simulated = {name: c.summary() for name, c in counts.items()}
     result = {
         "num_speculative_tokens": k,
         "num_val_samples": len(val),
-        "offline": offline,
-        "offline_gain": offline["trained"]["mean_acceptance_length"]
-        - offline["untrained"]["mean_acceptance_length"],
+        "offline": simulated,
+        "offline_gain": simulated["trained"]["mean_acceptance_length"]
+        - simulated["untrained"]["mean_acceptance_length"],
     }
-    tr, un = offline["trained"], offline["untrained"]
+    tr, un = simulated["trained"], simulated["untrained"]
     log(
         STAGE,
         f"drafter {DRAFTER_DIR}: simulated mean acceptance length "
@@ -102,23 +104,6 @@ def val_conversations(limit: int) -> list[dict[str, Any]]:
     return rows
 
 
-def server_spec(params: Params) -> ServerSpec:
-    """The verifier's server as params.vllm describes it; no reasoning parser, so the whole
-    completion (reasoning included) is what the two runs compare."""
-    v = params.vllm
-    return ServerSpec(
-        model=params.verifier.path,
-        log_file=WORK_DIR / "vllm.log",
-        max_model_len=v.max_model_len,
-        enforce_eager=v.enforce_eager,
-        tensor_parallel_size=v.tensor_parallel_size,
-        trust_remote_code=params.verifier.trust_remote_code,
-        language_model_only=vf.language_model_only(params.verifier.path),
-        ready_timeout_s=v.ready_timeout_s,
-        extra_args=list(v.extra_args),
-    )
-
-
 def run_online(params: Params) -> tuple[dict[str, Any], list[str]]:
     """Serve the verifier without, then with the drafter; (online section, differing ids)."""
     e = params.evaluate
@@ -130,8 +115,10 @@ def run_online(params: Params) -> tuple[dict[str, Any], list[str]]:
         concurrency=params.evaluate.concurrency,
         chat_template_kwargs=dict(params.generate.chat_template_kwargs),
     )
+    # No reasoning parser: the whole completion (reasoning included) is what the runs compare.
+    base = verifier_spec(params, WORK_DIR / "vllm.log")
     section, differing = online_eval.evaluate(
-        server_spec(params), DRAFTER_DIR, [r["messages"] for r in rows], settings, WORK_DIR
+        base, DRAFTER_DIR, [r["messages"] for r in rows], settings, WORK_DIR
     )
     return section, [rows[i]["id"] for i in differing]
 

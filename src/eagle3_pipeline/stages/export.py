@@ -4,7 +4,8 @@
 `flat` writes the legacy EAGLE-3 layout (flat_format.py) that SGLang and older vLLM load, its
 aux-layer ids in the convention of `export.server`. Config flags are written once, here, from
 the same params the trainer used; the verifier is named by the params' identity (hub id or
-repo-relative path), never by an absolute path.
+repo-relative path); a verifier named apart from its folder also records the folder it was built
+from (`verifier.path`, which may be absolute: it is where the user keeps the model).
 """
 
 from __future__ import annotations
@@ -37,8 +38,12 @@ def run(params: Params) -> None:
     fmt, server = params.export.format, params.export.server
     expected = drafter.expected_config(aux, params.vocab.draft_vocab_size, params.verifier.path)
     drafter.check_config(INPUT_DIR, expected)
+    # The name is what vLLM and a model card show; the folder is what the drafter was built from.
+    built_from = (
+        {"path": params.verifier.path} if params.verifier.path != ident["name_or_path"] else {}
+    )
     record = {
-        "verifier": ident,
+        "verifier": ident | built_from,
         "aux_layer_ids": aux,
         "final_layer_id": final,
         # The convention of the ids written in this directory's config.json.
@@ -55,7 +60,7 @@ def run(params: Params) -> None:
             config["eagle3_pipeline"] = record
             shutil.copy2(INPUT_DIR / "model.safetensors", tmp / "model.safetensors")
             atomic.write_json(tmp / "config.json", config)
-    model = drafter.load_drafter(OUTPUT_DIR)
+    model = drafter.load_drafter(OUTPUT_DIR, params.verifier.path)
     if fmt == "flat":
         check_same_tensors(INPUT_DIR, OUTPUT_DIR)
     d2t, t2d = drafter.load_mapping(VOCAB_DIR)

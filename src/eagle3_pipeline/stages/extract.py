@@ -13,7 +13,7 @@ any work, a pre-flight compares the bytes still to write with the free space of 
 
 Backends (extract.backend) differ only in how a batch's hidden states are computed: `hf` runs the
 transformers model with hooks (LayerCapture), `vllm` asks vLLM's `extract_hidden_states` method
-(vllm_extract.py). Both hand [seq, n_ids, hidden] per sample to the same store writer.
+(serving/hidden_states.py). Both hand [seq, n_ids, hidden] per sample to the same store writer.
 """
 
 from __future__ import annotations

@@ -15,21 +15,19 @@ import hashlib
 from collections.abc import Iterator
 from typing import Any
 
-from eagle3_pipeline import atomic, paths, resume
+from eagle3_pipeline import atomic, chat_template, paths, resume
 from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
 from eagle3_pipeline.serving import server as vllm_server
 from eagle3_pipeline.serving.chat import ChatClient, ChatReply, Outcome, complete_all
+from eagle3_pipeline.serving.server_spec import SERVED_NAME, verifier_spec
 
 STAGE = "generate"
 INPUT_DIR = paths.PREPARED
 OUTPUT_DIR = paths.GENERATED
-SERVER_LOG = resume.SCRATCH_ROOT / STAGE / "server.log"
-SERVED_NAME = "verifier"
-THINK_START = "<think>"
-THINK_END = "</think>"
+SERVER_LOG = paths.SCRATCH / STAGE / "server.log"
 # How rows are fetched, not what they contain (the verifier is fingerprinted by its config):
 # changing these keeps the journal, e.g. to finish a killed run on a teammate's server.
 _NOT_FINGERPRINTED = {"server_url", "concurrency", "max_retries", "request_timeout_s"}
@@ -42,11 +40,11 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     A `<think>` the model emits itself restarts the reasoning (what precedes it is dropped);
     without `</think>` the whole text is reasoning that never reached an answer.
     """
-    before, start, after = text.partition(THINK_START)
+    before, start, after = text.partition(chat_template.THINK_START)
     text = after if start else before
-    if THINK_END not in text:
+    if chat_template.THINK_END not in text:
         return text, ""
-    reasoning, _, content = text.partition(THINK_END)
+    reasoning, _, content = text.partition(chat_template.THINK_END)
     return reasoning, content
 
 
@@ -69,10 +67,12 @@ def _row_seed(seed: int, row_id: str) -> int:
 
 def _row(prepared: dict, reasoning: str | None, content: str, finish_reason: str) -> dict:
     """The output row, the same for both backends."""
+    tools = {"tools": prepared["tools"]} if prepared.get("tools") else {}
     return {
         "id": prepared["id"],
         "split": prepared["split"],
         "messages": prepared["messages"],
+        **tools,
         "reasoning": reasoning,
         "content": content,
         "finish_reason": finish_reason,
@@ -91,15 +91,7 @@ def _generate_hf(
     model = vf.load_model(params)
     eos = tokenizer.eos_token
     for batch in batches:
-        prompts = [
-            tokenizer.apply_chat_template(
-                r["messages"],
-                tokenize=False,
-                add_generation_prompt=True,
-                **g.chat_template_kwargs,
-            )
-            for r in batch
-        ]
+        prompts = [chat_template.render_prompt(tokenizer, r, g.chat_template_kwargs) for r in batch]
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         torch.manual_seed(_batch_seed(params.seed, [r["id"] for r in batch]))
         sampling = (
@@ -121,7 +113,8 @@ def _generate_hf(
             text = tokenizer.decode(toks, skip_special_tokens=False)
             finished = eos in text
             text = text.split(eos, 1)[0].replace(tokenizer.pad_token, "")
-            reasoning, content = split_reasoning(text)
+            # As the server: no reasoning parser, no reasoning (the whole reply is the answer).
+            reasoning, content = split_reasoning(text) if g.reasoning_parser else (None, text)
             done.append(_row(r, reasoning, content, "stop" if finished else "length"))
         journal.append(done)
         progress.advance(len(batch))
@@ -138,21 +131,8 @@ def _run_hf(params: Params, rows: list[dict], done: set[str], journal: resume.Jo
 
 
 def server_spec(params: Params) -> vllm_server.ServerSpec:
-    """The verifier served as `verifier` with the stage's reasoning parser and params.vllm."""
-    v, revision = params.vllm, params.verifier.revision
-    return vllm_server.ServerSpec(
-        model=params.verifier.path,
-        log_file=SERVER_LOG,
-        max_model_len=v.max_model_len,
-        enforce_eager=v.enforce_eager,
-        tensor_parallel_size=v.tensor_parallel_size,
-        reasoning_parser=params.generate.reasoning_parser,
-        served_model_name=SERVED_NAME,
-        trust_remote_code=params.verifier.trust_remote_code,
-        language_model_only=vf.language_model_only(params.verifier.path),
-        ready_timeout_s=v.ready_timeout_s,
-        extra_args=(["--revision", revision] if revision else []) + list(v.extra_args),
-    )
+    """The verifier's server with the stage's reasoning parser."""
+    return verifier_spec(params, SERVER_LOG, reasoning_parser=params.generate.reasoning_parser)
 
 
 @contextlib.contextmanager
@@ -176,9 +156,12 @@ def request_body(params: Params, model: str, row: dict) -> dict[str, Any]:
     answer as reasoning.
     """
     g = params.generate
+    # Tools are rendered into the prompt; the reply stays raw text ("none": no tool parser).
+    tools = {"tools": row["tools"], "tool_choice": "none"} if row.get("tools") else {}
     return {
         "model": model,
         "messages": row["messages"],
+        **tools,
         "max_tokens": g.max_new_tokens,
         "temperature": g.temperature,
         "top_p": g.top_p,

@@ -1,7 +1,8 @@
 """Stage `tokenize`: render each conversation with the serving chat template.
 
 input_ids are exactly what the server sees (prompt rendered with the generation prompt, then the
-verifier's completion); loss_mask covers the completion only, i.e. the verifier's own tokens.
+verifier's completion; chat_template.py); loss_mask covers the completion only, i.e. the
+verifier's own tokens.
 Token frequencies of supervised train tokens feed the draft vocab.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from eagle3_pipeline import atomic, paths
+from eagle3_pipeline import atomic, chat_template, paths
 from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.errors import DataError
 from eagle3_pipeline.params import Params
@@ -20,25 +21,13 @@ INPUT_DIR = paths.GENERATED
 OUTPUT_DIR = paths.TOKENIZED
 
 
-def completion_text(row: dict, eos: str) -> str:
-    """The verifier's side of the turn, as the template renders it after the generation prompt."""
-    text = ""
-    if row["reasoning"] is not None:
-        text += f"{row['reasoning']}</think>"
-    text += row["content"]
-    if row["finish_reason"] == "stop":
-        text += eos
-    return text
-
-
 def tokenize_row(tokenizer, row: dict, max_seq_len: int, template_kwargs: dict) -> dict:
-    prompt = tokenizer.apply_chat_template(
-        row["messages"], tokenize=False, add_generation_prompt=True, **template_kwargs
-    )
+    prompt = chat_template.render_prompt(tokenizer, row, template_kwargs)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    completion_ids = tokenizer(completion_text(row, tokenizer.eos_token), add_special_tokens=False)[
-        "input_ids"
-    ]
+    completion = chat_template.completion_text(
+        row, tokenizer.eos_token, chat_template.opens_reasoning(prompt)
+    )
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
     input_ids = (prompt_ids + completion_ids)[:max_seq_len]
     loss_mask = ([0] * len(prompt_ids) + [1] * len(completion_ids))[:max_seq_len]
     return {"id": row["id"], "split": row["split"], "input_ids": input_ids, "loss_mask": loss_mask}

@@ -2,10 +2,9 @@
 
 Checkpoints live in data/.work/train/ (not a DVC output: DVC would copy them before each rerun);
 a rerun after a kill (SIGKILL included) resumes from the last complete epoch there, exactly
-(speculators_compat: weights, optimizer, scheduler, RNG; the data order is a function of seed
-and epoch), and cuts the DVCLive series back to it. `train.keep_last` bounds the epochs kept.
-The stage's outputs are copies of the best (lowest val loss) and final checkpoints. Metrics go
-to DVCLive (metrics/train/) and, as plain lines, to stdout so a log file shows the loss.
+(training.checkpoints), and cuts the DVCLive series back to it. `train.keep_last` bounds the
+epochs kept. The outputs are copies of the best (lowest val loss) and final checkpoints. Metrics
+go to DVCLive (metrics/train/) and, as plain lines, to stdout so a log file shows the loss.
 
 `train.nproc` > 1 relaunches the training part through torchrun (`python -m
 eagle3_pipeline.stages.train --worker PARAMS_JSON` per process); this process prepares the
@@ -14,18 +13,11 @@ data, forwards SIGINT/SIGTERM to torchrun and copies the outputs; rank 0 alone l
 
 from __future__ import annotations
 
-import contextlib
-import csv
-import json
-import math
 import os
 import shutil
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from eagle3_pipeline import atomic, paths, resume
 from eagle3_pipeline import verifier as vf
@@ -34,107 +26,31 @@ from eagle3_pipeline.layer_ids import resolve_layer_ids
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
 from eagle3_pipeline.store import format as store
-from eagle3_pipeline.training import speculators_compat as sc
+from eagle3_pipeline.training.checkpoints import (
+    best_checkpoint,
+    discard_incomplete,
+    resume_epoch,
+)
+from eagle3_pipeline.training.data import (
+    TrainingSample,
+    train_data_ratio_for,
+    write_training_data,
+)
+from eagle3_pipeline.training.launch import launch_torchrun, torchrun_command
+from eagle3_pipeline.training.metrics import MetricsSink, open_live, read_summary, trim_live
+from eagle3_pipeline.training.run import TrainSettings, run_training
 
 STAGE = "train"
-STORE_DIR = paths.HIDDEN_STATES
-TOKENIZED_DIR = paths.TOKENIZED
-VOCAB_DIR = paths.VOCAB
-OUTPUT_DIR = paths.TRAINED
-LIVE_DIR = paths.TRAIN_LIVE
 CHECKPOINT_FILES = ("config.json", "model.safetensors")
 
 
-class MetricsSink:
-    """speculators' metric dicts -> DVCLive series + a plain progress line every N steps."""
-
-    def __init__(self, live, ttt_steps: int, log_every_steps: int) -> None:
-        self.live = live
-        self.ttt_steps = ttt_steps
-        self.log_every = log_every_steps
-
-    def __call__(self, record: dict[str, Any], step: int) -> None:
-        self.live.step = step
-        if "train" in record:
-            m = record["train"]
-            for key, value in m.items():
-                if key != "error_records":
-                    self.live.log_metric(f"train/{key}", float(value), plot=True)
-            if "lr" in record:
-                self.live.log_metric("train/lr", float(record["lr"]))
-            if "grad_norm" in record:
-                self.live.log_metric("train/grad_norm", float(record["grad_norm"]))
-            tps = (record.get("profile") or {}).get("tokens_per_s")
-            if tps is not None:
-                self.live.log_metric("train/tokens_per_s", float(tps))
-            if step % self.log_every == 0:
-                accs = " ".join(
-                    f"acc{k} {m.get(f'full_acc_{k}', math.nan):.3f}" for k in range(self.ttt_steps)
-                )
-                log(
-                    STAGE,
-                    f"epoch {record.get('epoch')} step {step} loss {m['loss']:.4f} "
-                    f"{accs} lr {record.get('lr', math.nan):.2e}",
-                )
-        if "val" in record:
-            v = {k.removesuffix("_epoch"): float(x) for k, x in record["val"].items()}
-            v["acceptance_length"] = simulated_tau(v, self.ttt_steps)
-            for key, value in v.items():
-                if key != "error_records":
-                    self.live.log_metric(f"val/{key}", value)
-            log(
-                STAGE,
-                f"epoch {record.get('epoch')} val loss {v['loss']:.4f} "
-                f"simulated acceptance length {v['acceptance_length']:.3f}",
-            )
-            # Once per epoch, not per step: Live.next_step() also re-parses every series for
-            # DVC Studio (even with Studio off), 30-50 ms a step here and growing with the run.
-            # A kill can leave metrics.json stale; a resumed run rebuilds it (_trim_live).
-            self.live.make_summary()
-
-
-def simulated_tau(val: dict[str, float], ttt_steps: int) -> float:
-    """1 + sum over positions of P(all drafts up to k right), from the chained cond accuracy."""
-    tau, prefix = 1.0, 1.0
-    for k in range(ttt_steps):
-        prefix *= val.get(f"cond_acc_{k}", 0.0)
-        tau += prefix
-    return tau
-
-
-def _samples(manifest: dict) -> tuple[list[sc.TrainingSample], int]:
-    rows = {
-        split: atomic.read_jsonl(TOKENIZED_DIR / f"{split}.jsonl") for split in ("train", "val")
-    }
-    samples: list[sc.TrainingSample] = []
-    for split in ("train", "val"):  # speculators validates on the LAST rows
-        for r in rows[split]:
-            entry = manifest["samples"].get(r["id"])
-            if entry is None:
-                raise StoreError(f"{STORE_DIR}: sample {r['id']} missing: rerun extract")
-            samples.append(
-                {
-                    "input_ids": r["input_ids"],
-                    "loss_mask": r["loss_mask"],
-                    "hidden_states_file": STORE_DIR / entry["file"],
-                }
-            )
-    return samples, len(rows["train"])
-
-
-def _copy_checkpoint(src: Path, dst: Path) -> None:
-    dst.mkdir(parents=True)
-    for name in CHECKPOINT_FILES:
-        shutil.copy2(src / name, dst / name)
-
-
 @dataclass(frozen=True)
-class _Plan:
-    """What every process of one run derives the same way from params and the inputs."""
+class TrainInputs:
+    """What every process of one run derives alike from params and the stage's inputs."""
 
     aux: list[int]
     final: int
-    samples: list[sc.TrainingSample]
+    samples: list[TrainingSample]
     n_train: int
     work: Path
 
@@ -152,166 +68,6 @@ class _Plan:
         return self.work / "live"
 
 
-def _plan(params: Params) -> _Plan:
-    t = params.train
-    n_layers, _, _ = vf.shape(vf.read_config(params.verifier.path))
-    aux, final = resolve_layer_ids(params.layers, n_layers)
-    manifest = store.read_manifest(STORE_DIR)
-    store.check_layout(manifest, aux, final, STORE_DIR)
-    # Never train on a damaged file: DVC's hardlinked cache would not notice one changed in place.
-    store.verify_hashes(STORE_DIR, manifest)
-    samples, n_train = _samples(manifest)
-    key = resume.fingerprint(
-        # Knobs that cannot change the weights do not restart a run.
-        t.model_dump(exclude={"log_every_steps", "num_workers", "keep_last"}),
-        aux,
-        params.vocab.draft_vocab_size,
-        resume.file_sha256(STORE_DIR / store.MANIFEST),
-        resume.file_sha256(VOCAB_DIR / "d2t.npy"),
-        resume.file_sha256(TOKENIZED_DIR / "train.jsonl"),
-        # Other weights at the same path start over (stamp: names, sizes, mtimes; no hashing).
-        vf.files_stamp(t.init_from) if t.init_from and Path(t.init_from).is_dir() else None,
-    )
-    return _Plan(aux, final, samples, n_train, resume.scratch_dir(STAGE, key))
-
-
-def _trim_live(live_dir: Path, save_dir: Path) -> bool:
-    """Cut the DVCLive series back to the last complete epoch; False: start them afresh.
-
-    A killed run logged steps after that epoch; the rerun logs them again. Validation of an
-    epoch is logged at the step the next epoch starts with, so val rows at that step stay.
-    metrics.json (which a kill can leave torn: DVCLive writes it in place) is rebuilt from the
-    kept rows, since DVCLive reads its step from there when it resumes.
-    """
-    complete = sc.complete_epochs(save_dir)
-    if not complete or not live_dir.is_dir():
-        shutil.rmtree(live_dir, ignore_errors=True)
-        return False
-    marker = json.loads((save_dir / str(complete[-1]) / sc.COMPLETE_MARKER).read_text())
-    resume_step = int(marker["global_step"])
-    series_root = live_dir / "plots" / "metrics"
-    summary: dict[str, Any] = {"step": 0}
-    for tsv in sorted(series_root.glob("**/*.tsv")):
-        is_val = tsv.parent.name == "val"
-        with open(tsv, newline="") as fh:
-            rows = list(csv.DictReader(fh, delimiter="\t"))
-        kept = [
-            r
-            for r in rows
-            if int(r["step"]) < resume_step or (is_val and int(r["step"]) == resume_step)
-        ]
-        if not rows:
-            continue
-        columns = list(rows[0])
-        atomic.write_text(
-            tsv,
-            "\t".join(columns)
-            + "\n"
-            + "".join("\t".join(r[c] for c in columns) + "\n" for r in kept),
-        )
-        if kept:
-            node = summary
-            for part in tsv.relative_to(series_root).parent.parts:
-                node = node.setdefault(part, {})
-            node[tsv.stem] = float(kept[-1][tsv.stem])
-            summary["step"] = max(summary["step"], int(kept[-1]["step"]))
-    atomic.write_json(live_dir / "metrics.json", summary)
-    return True
-
-
-def _train(params: Params, plan: _Plan) -> None:
-    """The training of one process (the only one, or one torchrun worker)."""
-    from dvclive import Live
-
-    t = params.train
-    rank = int(os.environ.get("RANK", "0"))
-    kwargs: dict[str, Any] = {
-        "data_dir": plan.data_dir,
-        "verifier_dir": Path(params.verifier.path),
-        "save_dir": plan.save_dir,
-        "d2t_path": VOCAB_DIR / "d2t.npy",
-        "t2d_path": VOCAB_DIR / "t2d.npy",
-        "draft_vocab_size": params.vocab.draft_vocab_size,
-        "target_layer_ids": plan.aux,
-        "epochs": t.epochs,
-        "lr": t.lr,
-        "scheduler": t.scheduler,
-        "warmup_ratio": t.warmup_ratio,
-        "noise_std": t.noise_std,
-        "ttt_steps": t.ttt_steps,
-        "ttt_step_loss_decay": t.ttt_step_loss_decay,
-        "total_seq_len": t.max_tokens_per_batch,
-        "seed": t.seed,
-        "num_workers": t.num_workers,
-        "train_data_ratio": sc.train_data_ratio_for(plan.n_train, len(plan.samples)),
-        "log_every_steps": 1,
-        "train_lm_head": t.train_lm_head,
-        "keep_last": t.keep_last,
-        "grad_accumulation": t.grad_accumulation,
-        "fsdp": t.strategy == "fsdp" and t.nproc > 1,
-        "init_from": Path(t.init_from) if t.init_from else None,
-        "init_vocab_mismatch": t.init_vocab_mismatch,
-        "on_init_line": (lambda line: log(STAGE, line)) if rank == 0 else (lambda line: None),
-    }
-    if rank != 0:  # only rank 0 logs metrics and writes DVCLive
-        sc.run_training(on_metrics=None, **kwargs)
-        return
-    with Live(
-        dir=str(plan.live_dir),
-        save_dvc_exp=False,
-        dvcyaml=None,
-        report=None,
-        resume=plan.live_dir.is_dir(),
-    ) as live:
-        live.log_params(
-            {
-                "train": t.model_dump(),
-                "aux_layer_ids": plan.aux,
-                "draft_vocab_size": params.vocab.draft_vocab_size,
-            }
-        )
-        sc.run_training(on_metrics=MetricsSink(live, t.ttt_steps, t.log_every_steps), **kwargs)
-
-
-def _launch_torchrun(params: Params, plan: _Plan) -> None:
-    """`torchrun` with one worker per process; signals reach the workers; failures raise."""
-    spec = plan.work / "params.json"
-    atomic.write_text(spec, params.model_dump_json())
-    cmd = sc.torchrun_command(params.train.nproc, __name__, ["--worker", str(spec)])
-    log(STAGE, f"launching {params.train.nproc} processes ({params.train.strategy}): torchrun")
-    proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
-    signalled: list[int] = []
-
-    def forward(signum: int, _frame: Any) -> None:
-        signalled.append(signum)
-        proc.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        rc = proc.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    if signalled or rc in (-signal.SIGINT, -signal.SIGTERM, 130):
-        raise sc.TrainingInterrupted(
-            f"training stopped by a signal (torchrun exit {rc}); rerun to resume from the "
-            "last complete epoch"
-        )
-    if rc != 0:
-        raise RuntimeError(f"torchrun exited with {rc}: see the workers' output above")
-
-
-def _die_with_parent() -> None:
-    """In the torchrun child: SIGTERM when this process dies, SIGKILL included (Linux).
-
-    torchrun forwards it to the workers, so no orphan keeps training beside a rerun.
-    """
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: no parent-death signal
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def run(params: Params) -> None:
     t = params.train
     if t.strategy == "fsdp" and t.nproc == 1:
@@ -319,37 +75,121 @@ def run(params: Params) -> None:
             "params.yaml: train.strategy=fsdp shards the drafter across processes but "
             "train.nproc=1: set train.nproc to the number of GPUs, or strategy: ddp"
         )
-    plan = _plan(params)
-    sc.write_training_data(plan.data_dir, plan.samples)
+    inputs = _inputs(params)
+    write_training_data(inputs.data_dir, inputs.samples)
     if not sys.stdout.isatty():
         os.environ.setdefault("TQDM_DISABLE", "1")  # bars are noise in a log file
-    removed = sc.discard_incomplete(plan.save_dir)
-    done = sc.complete_epochs(plan.save_dir)
+    removed = discard_incomplete(inputs.save_dir)
+    done = resume_epoch(inputs.save_dir)
     log(
         STAGE,
-        f"{plan.n_train} train + {len(plan.samples) - plan.n_train} val samples, aux "
-        f"{plan.aux} + {plan.final}, draft vocab {params.vocab.draft_vocab_size}, {t.epochs} "
-        f"epochs, checkpoints in {plan.save_dir}"
-        + (f"; resuming after epoch {done[-1]}" if done else "")
+        f"{inputs.n_train} train + {len(inputs.samples) - inputs.n_train} val samples, aux "
+        f"{inputs.aux} + {inputs.final}, draft vocab {params.vocab.draft_vocab_size}, "
+        f"{t.epochs} epochs, checkpoints in {inputs.save_dir}"
+        + (f"; resuming after epoch {done}" if done is not None else "")
         + (f" (discarded incomplete: {', '.join(removed)})" if removed else ""),
     )
-    _trim_live(plan.live_dir, plan.save_dir)
+    trim_live(inputs.live_dir, inputs.save_dir)
     if t.nproc > 1:
-        _launch_torchrun(params, plan)
+        _launch(params, inputs)
     else:
-        _train(params, plan)
-    _finish(params, plan)
+        _train(params, inputs)
+    _publish(params, inputs)
 
 
-def _finish(params: Params, plan: _Plan) -> None:
+def _inputs(params: Params) -> TrainInputs:
     t = params.train
-    summary = json.loads((plan.live_dir / "metrics.json").read_text())
-    shutil.rmtree(LIVE_DIR, ignore_errors=True)
-    shutil.copytree(plan.live_dir, LIVE_DIR)
-    best = sc.best_checkpoint(plan.save_dir)
-    with atomic.replace_dir(OUTPUT_DIR) as tmp:
+    n_layers, _, _ = vf.shape(vf.read_config(params.verifier.path))
+    aux, final = resolve_layer_ids(params.layers, n_layers)
+    manifest = store.read_manifest(paths.HIDDEN_STATES)
+    store.check_layout(manifest, aux, final, paths.HIDDEN_STATES)
+    # Never train on a damaged file: DVC's hardlinked cache would not notice one changed in place.
+    store.verify_hashes(paths.HIDDEN_STATES, manifest)
+    samples, n_train = _samples(manifest)
+    key = resume.fingerprint(
+        # Knobs that cannot change the weights do not restart a run.
+        t.model_dump(exclude={"log_every_steps", "num_workers", "keep_last"}),
+        aux,
+        params.vocab.draft_vocab_size,
+        resume.file_sha256(paths.HIDDEN_STATES / store.MANIFEST),
+        resume.file_sha256(paths.VOCAB / "d2t.npy"),
+        resume.file_sha256(paths.TOKENIZED / "train.jsonl"),
+        # Other weights at the same path start over (stamp: names, sizes, mtimes; no hashing).
+        vf.files_stamp(t.init_from) if t.init_from and Path(t.init_from).is_dir() else None,
+    )
+    return TrainInputs(aux, final, samples, n_train, resume.scratch_dir(STAGE, key))
+
+
+def _samples(manifest: dict) -> tuple[list[TrainingSample], int]:
+    rows = {
+        split: atomic.read_jsonl(paths.TOKENIZED / f"{split}.jsonl") for split in ("train", "val")
+    }
+    samples: list[TrainingSample] = []
+    for split in ("train", "val"):  # speculators validates on the LAST rows
+        for r in rows[split]:
+            entry = manifest["samples"].get(r["id"])
+            if entry is None:
+                raise StoreError(f"{paths.HIDDEN_STATES}: sample {r['id']} missing: rerun extract")
+            samples.append(
+                {
+                    "input_ids": r["input_ids"],
+                    "loss_mask": r["loss_mask"],
+                    "hidden_states_file": paths.HIDDEN_STATES / entry["file"],
+                }
+            )
+    return samples, len(rows["train"])
+
+
+def _train(params: Params, inputs: TrainInputs) -> None:
+    """The training of one process (the only one, or one torchrun worker)."""
+    t = params.train
+    settings = TrainSettings.from_params(
+        t,
+        data_dir=inputs.data_dir,
+        save_dir=inputs.save_dir,
+        verifier_dir=Path(params.verifier.path),
+        vocab_dir=paths.VOCAB,
+        draft_vocab_size=params.vocab.draft_vocab_size,
+        target_layer_ids=inputs.aux,
+        train_data_ratio=train_data_ratio_for(inputs.n_train, len(inputs.samples)),
+    )
+    if int(os.environ.get("RANK", "0")) != 0:  # only rank 0 logs metrics and writes DVCLive
+        run_training(settings, on_metrics=None, on_init_line=lambda line: None)
+        return
+    with open_live(inputs.live_dir) as live:
+        live.log_params(
+            {
+                "train": t.model_dump(),
+                "aux_layer_ids": inputs.aux,
+                "draft_vocab_size": params.vocab.draft_vocab_size,
+            }
+        )
+        run_training(
+            settings,
+            on_metrics=MetricsSink(live, t.ttt_steps, t.log_every_steps, STAGE),
+            on_init_line=lambda line: log(STAGE, line),
+        )
+
+
+def _launch(params: Params, inputs: TrainInputs) -> None:
+    """One `_worker_main` per process under torchrun, from the params written to scratch."""
+    spec = inputs.work / "params.json"
+    atomic.write_text(spec, params.model_dump_json())
+    cmd = torchrun_command(params.train.nproc, __name__, ["--worker", str(spec)])
+    log(STAGE, f"launching {params.train.nproc} processes ({params.train.strategy}): torchrun")
+    launch_torchrun(cmd)
+
+
+def _publish(params: Params, inputs: TrainInputs) -> None:
+    """Copy the best and final checkpoints and the DVCLive series into the stage's outputs."""
+    t = params.train
+    summary = read_summary(inputs.live_dir)
+    shutil.rmtree(paths.TRAIN_LIVE, ignore_errors=True)
+    shutil.copytree(inputs.live_dir, paths.TRAIN_LIVE)
+    best = best_checkpoint(inputs.save_dir)
+    with atomic.replace_dir(paths.TRAINED) as tmp:
         _copy_checkpoint(best, tmp / "best")
-        _copy_checkpoint(plan.save_dir / str(t.epochs - 1), tmp / "final")
+        _copy_checkpoint(inputs.save_dir / str(t.epochs - 1), tmp / "final")
         atomic.write_json(tmp / "summary.json", {"best_epoch": int(best.name), "epochs": t.epochs})
     atomic.write_json(
         paths.TRAIN_METRICS,
@@ -358,7 +198,13 @@ def _finish(params: Params, plan: _Plan) -> None:
             "val_at_last_epoch": {k: round(v, 6) for k, v in summary.get("val", {}).items()},
         },
     )
-    log(STAGE, f"best epoch {best.name} -> {OUTPUT_DIR}/best, final -> {OUTPUT_DIR}/final")
+    log(STAGE, f"best epoch {best.name} -> {paths.TRAINED}/best, final -> {paths.TRAINED}/final")
+
+
+def _copy_checkpoint(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True)
+    for name in CHECKPOINT_FILES:
+        shutil.copy2(src / name, dst / name)
 
 
 def _worker_main(argv: list[str]) -> int:
@@ -370,7 +216,7 @@ def _worker_main(argv: list[str]) -> int:
     if not sys.stdout.isatty():
         os.environ.setdefault("TQDM_DISABLE", "1")
     try:
-        _train(params, _plan(params))
+        _train(params, _inputs(params))
     except KeyboardInterrupt:
         return 130
     return 0

@@ -116,7 +116,7 @@ def _build_model(tiny: TinyVerifierParams, tokenizer, seed: int):
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tiny.tie_word_embeddings,
     )
     return LlamaForCausalLM(config)
 
@@ -334,9 +334,9 @@ def build_tiny(params: Params, out_dir: Path) -> dict:
 def _print_plan(params: Params) -> None:
     """`eagle3 plan` as the first thing `dvc repro` runs: a layer id, vocab or init checkpoint
     that does not fit the verifier stops the pipeline here, before any GPU hour."""
-    from eagle3_pipeline.plan import plan
+    from eagle3_pipeline.plan import plan, report
 
-    print(plan.render(plan.make_plan(params)), flush=True)
+    print(report.render(plan.make_plan(params)), flush=True)
 
 
 def run(params: Params) -> None:

@@ -32,6 +32,7 @@ from safetensors.torch import load, load_file, save
 from eagle3_pipeline import atomic
 from eagle3_pipeline.errors import StoreError
 from eagle3_pipeline.resume import file_sha256
+from eagle3_pipeline.store.sizes import hidden_bytes_per_token
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -66,11 +67,7 @@ class StoreLayout:
         return [*self.aux_layer_ids, self.final_layer_id]
 
     def bytes_per_token(self) -> int:
-        """Hidden-state bytes per token: bf16 2 B/value; fp8 1 B/value + fp32 scale per layer."""
-        n = len(self.layer_ids)
-        if self.dtype == "fp8":
-            return n * self.hidden_size + n * 4
-        return n * self.hidden_size * 2
+        return hidden_bytes_per_token(len(self.layer_ids), self.hidden_size, self.dtype)
 
     def file_bytes_per_token(self) -> int:
         """Everything a file holds per token (hidden states, token id, loss mask)."""

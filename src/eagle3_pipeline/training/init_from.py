@@ -28,6 +28,7 @@ import torch
 from eagle3_pipeline import paths
 from eagle3_pipeline.drafter.flat_format import FLAGS, DrafterCheckpoint, open_checkpoint
 from eagle3_pipeline.errors import CheckpointError
+from eagle3_pipeline.training.checkpoints import resume_epoch
 
 VOCAB_TENSORS = ("d2t", "t2d")
 # Loaded by speculators from the verifier itself (embed_tokens only when the checkpoint has none).
@@ -271,14 +272,6 @@ def _notes(ckpt: DrafterCheckpoint, model: Any) -> list[str]:
             f"{origin}; this run feeds {run_aux}"
         )
     return notes
-
-
-def resume_epoch(save_dir: str | Path) -> int | None:
-    """The epoch speculators will resume from in save_dir (its own rule), or None."""
-    from speculators.train.checkpointer import SingleGPUCheckpointer
-
-    epoch = SingleGPUCheckpointer(save_dir).previous_epoch
-    return None if epoch == -1 else epoch
 
 
 @contextlib.contextmanager

@@ -76,3 +76,36 @@ def test_resume_after_kill(tmp_path: Path, tiny_verifier_dir: Path, monkeypatch)
     rows = [json.loads(x) for x in reference.splitlines()]
     assert {r["id"] for r in rows} == {f"q{i:02d}" for i in range(8)}
     assert all(set(r) >= {"reasoning", "content", "finish_reason", "messages"} for r in rows)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather"}}]
+
+
+def test_tools_reach_the_server_and_the_output_row() -> None:
+    params = Params.model_validate({"vocab": {"draft_vocab_size": 256}})
+    row = {"id": "t", "split": "train", "messages": [{"role": "user", "content": "x"}]}
+    plain = generate.request_body(params, "verifier", row)
+    assert "tools" not in plain and "tool_choice" not in plain
+    body = generate.request_body(params, "verifier", row | {"tools": TOOLS})
+    # rendered into the prompt; the reply stays raw text (no tool parser runs)
+    assert body["tools"] == TOOLS and body["tool_choice"] == "none"
+    assert generate._row(row | {"tools": TOOLS}, None, "a", "stop")["tools"] == TOOLS
+    assert list(generate._row(row, None, "a", "stop")) == [
+        "id",
+        "split",
+        "messages",
+        "reasoning",
+        "content",
+        "finish_reason",
+    ]  # rows without tools are written exactly as before
+
+
+def test_hf_backend_without_reasoning_parser_keeps_the_whole_reply(
+    tmp_path: Path, tiny_verifier_dir: Path, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    params = _setup(tmp_path, tiny_verifier_dir)
+    params.generate.reasoning_parser = None
+    generate.run(params)
+    rows = atomic.read_jsonl(tmp_path / "data/generated/train.jsonl")
+    assert all(r["reasoning"] is None and r["content"] for r in rows)

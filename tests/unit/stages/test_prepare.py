@@ -10,8 +10,9 @@ import pytest
 
 from eagle3_pipeline import atomic
 from eagle3_pipeline.cli import main
+from eagle3_pipeline.conversations import load as load_prompts
 from eagle3_pipeline.errors import DataError
-from eagle3_pipeline.stages.prepare import is_val, load_prompts
+from eagle3_pipeline.stages.prepare import is_val
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -198,10 +199,15 @@ def test_real_training_starts_from_legacy_checkpoint(
 ) -> None:
     """speculators' trainer, 1 epoch at a negligible lr: epoch 0 holds the checkpoint's weights
     (bf16, as both are saved); a second run resumes and leaves init_from alone."""
-    from eagle3_pipeline.training import speculators_compat as sc
+    from eagle3_pipeline.training.data import (
+        TrainingSample,
+        train_data_ratio_for,
+        write_training_data,
+    )
+    from eagle3_pipeline.training.run import TrainSettings, run_training
 
     gen = torch.Generator().manual_seed(0)
-    samples: list[sc.TrainingSample] = []
+    samples: list[TrainingSample] = []
     (tmp_path / "store").mkdir()
     for i in range(6):
         ids = torch.randint(0, VOCAB, (48,), generator=gen)
@@ -211,37 +217,37 @@ def test_real_training_starts_from_legacy_checkpoint(
         samples.append(
             {"input_ids": ids.tolist(), "loss_mask": [1] * 48, "hidden_states_file": path}
         )
-    sc.write_training_data(tmp_path / "data", samples)
+    write_training_data(tmp_path / "data", samples)
     from drafter_fixtures import mapping
 
     d2t, t2d = mapping(RUN_IDS, VOCAB)
     np.save(tmp_path / "d2t.npy", d2t.numpy())
     np.save(tmp_path / "t2d.npy", t2d.numpy())
     save_dir = tmp_path / "ckpt"
-    kwargs: dict[str, Any] = {
-        "data_dir": tmp_path / "data",
-        "verifier_dir": verifier,
-        "save_dir": save_dir,
-        "d2t_path": tmp_path / "d2t.npy",
-        "t2d_path": tmp_path / "t2d.npy",
-        "draft_vocab_size": len(RUN_IDS),
-        "target_layer_ids": AUX,
-        "epochs": 1,
-        "lr": 1e-12,
-        "scheduler": "none",
-        "warmup_ratio": 0.0,
-        "noise_std": 0.0,
-        "ttt_steps": 2,
-        "ttt_step_loss_decay": 1.0,
-        "total_seq_len": 96,
-        "seed": 0,
-        "num_workers": 0,
-        "train_data_ratio": sc.train_data_ratio_for(4, 6),
-        "on_metrics": None,
-    }
+    settings = TrainSettings(
+        data_dir=tmp_path / "data",
+        verifier_dir=verifier,
+        save_dir=save_dir,
+        d2t_path=tmp_path / "d2t.npy",
+        t2d_path=tmp_path / "t2d.npy",
+        draft_vocab_size=len(RUN_IDS),
+        target_layer_ids=AUX,
+        train_data_ratio=train_data_ratio_for(4, 6),
+        epochs=1,
+        lr=1e-12,
+        scheduler="none",
+        warmup_ratio=0.0,
+        noise_std=0.0,
+        ttt_steps=2,
+        ttt_step_loss_decay=1.0,
+        total_seq_len=96,
+        seed=0,
+        num_workers=0,
+        init_from=legacy["same"],
+        init_vocab_mismatch="refuse",
+    )
     lines: list[str] = []
-    kwargs |= {"init_from": legacy["same"], "init_vocab_mismatch": "refuse"}
-    sc.run_training(**kwargs, on_init_line=lines.append)
+    run_training(settings, on_metrics=None, on_init_line=lines.append)
     assert any("loaded 13 tensors" in line for line in lines)
     trained = load_file(str(save_dir / "0" / "model.safetensors"))
     ckpt = load_file(str(legacy["same"] / "model.safetensors"))
@@ -250,7 +256,7 @@ def test_real_training_starts_from_legacy_checkpoint(
         assert torch.equal(trained[name], tensor), name
 
     lines.clear()
-    sc.run_training(**(kwargs | {"epochs": 2}), on_init_line=lines.append)
+    run_training(replace(settings, epochs=2), on_metrics=None, on_init_line=lines.append)
     assert lines and "resuming from" in lines[0]
     assert (save_dir / "1" / "model.safetensors").is_file()
 

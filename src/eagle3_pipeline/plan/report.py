@@ -1,0 +1,119 @@
+"""The text `eagle3 plan` prints (and the verifier stage logs first): rendering only, no checks."""
+
+from __future__ import annotations
+
+from eagle3_pipeline import paths
+from eagle3_pipeline.plan.plan import Plan
+
+TRAIN_SCRATCH = paths.SCRATCH / "train"  # where the train stage keeps its epoch checkpoints
+
+
+def _m(n: int) -> str:
+    """Millions with one decimal, as the team quotes them; small counts exactly."""
+    return f"{n / 1e6:,.1f}M" if n >= 10_000_000 else f"{n:,}"
+
+
+def _size(n: float) -> str:
+    """Bytes in decimal units (disks are sold in them)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _row(label: str, text: str) -> str:
+    return f"{label:<12}{text}"
+
+
+def _verifier_lines(p: Plan) -> list[str]:
+    v = p.verifier
+    nested = " under text_config" if v.nested else ""
+    code = "auto_map: custom code, allowed" if v.remote_code else "no custom code"
+    return [
+        _row("verifier", v.source),
+        _row(
+            "",
+            f"{v.model_type}{nested}: {v.num_layers} layers, hidden {v.hidden_size:,}, "
+            f"vocab {v.vocab_size:,}; {code}",
+        ),
+        _row("tokenizer", p.tokenizer),
+        _row("layer ids", f"aux {p.aux_layer_ids} + final {p.final_layer_id} (vLLM convention)"),
+        _row("", f"distinct, aux in 0..{v.num_layers - 1}, final = num_hidden_layers: ok"),
+        _row(
+            "vocab",
+            f"draft {p.draft_vocab_size:,} of target {v.vocab_size:,} "
+            f"({p.draft_vocab_size / v.vocab_size:.1%}): ok",
+        ),
+    ]
+
+
+def _drafter_lines(p: Plan) -> list[str]:
+    d = p.drafter
+    lines = [
+        _row("drafter", d.source),
+        _row(
+            "",
+            f"1 Llama layer: {d.num_attention_heads} heads x {d.head_dim}, "
+            f"{d.num_key_value_heads} kv heads, intermediate {d.intermediate_size:,}, "
+            f"norm_before_fc {str(d.norm_before_fc).lower()}",
+        ),
+        _row(
+            "params",
+            f"total {_m(p.total_params)} = trainable {_m(p.trainable_params)} "
+            f"+ frozen {_m(p.frozen_params)}",
+        ),
+    ]
+    for g in p.groups:
+        state = "trainable" if g.trainable else "frozen"
+        lines.append(f"  {g.name:<17} {g.shape:<42} {_m(g.count):>9}  {state}")
+    return lines
+
+
+def _cost_lines(p: Plan) -> list[str]:
+    bpt = p.store_bytes_per_token
+    n = len(p.aux_layer_ids) + 1
+    lines = [
+        _row("store", f"{n} layers x {p.verifier.hidden_size:,}: {bpt['bf16']:,} B/token bf16,"),
+        _row("", f"{bpt['fp8']:,} B/token fp8 (1 B/value + fp32 scale per token and layer)"),
+    ]
+    lines += [_row("tokens" if i == 0 else "", h) for i, h in enumerate(p.tokens.how)]
+    if p.tokens.total is not None and p.store_bytes is not None:
+        sizes = p.store_bytes
+        lines += [
+            _row(
+                "",
+                f"= {p.tokens.total:,} tokens: store {_size(sizes['bf16'])} bf16, "
+                f"{_size(sizes['fp8'])} fp8",
+            ),
+            _row(
+                "schedule",
+                f"{p.train_tokens:,} train tokens / {p.max_tokens_per_batch:,} per batch "
+                f"= {p.steps_per_epoch:,} steps/epoch",
+            ),
+            _row(
+                "",
+                f"x {p.epochs} epochs = {p.total_steps:,} steps, warm-up {p.warmup_steps:,}",
+            ),
+        ]
+    ckpt = p.checkpoint_weights_bytes + p.checkpoint_optimizer_bytes
+    lines += [
+        _row(
+            "checkpoint",
+            f"weights bf16 {_size(p.checkpoint_weights_bytes)} + AdamW fp32 states "
+            f"{_size(p.checkpoint_optimizer_bytes)} = {_size(ckpt)} per epoch",
+        ),
+        _row(
+            "",
+            f"kept {p.checkpoints_kept} (train.keep_last + the best): "
+            f"{_size(ckpt * p.checkpoints_kept)} in {TRAIN_SCRATCH} "
+            f"(all {p.epochs} epochs: {_size(ckpt * p.epochs)})",
+        ),
+    ]
+    return lines
+
+
+def render(p: Plan) -> str:
+    """The whole report: header, verifier, drafter, costs, then one line per warning."""
+    head = [_row("plan", f"profile {p.profile} ({p.params_path}), from config files only")]
+    warn = [_row("warning", w) for w in p.warnings]
+    return "\n".join(head + _verifier_lines(p) + _drafter_lines(p) + _cost_lines(p) + warn)

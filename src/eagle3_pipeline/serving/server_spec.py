@@ -1,0 +1,54 @@
+"""The verifier as vLLM loads it, built from params in one place for every vLLM start.
+
+generate and evaluate (with and without the drafter) serve `verifier_spec`; extract's in-process
+engine takes `model_args`, which the spec is made of. So a pinned hub revision, remote code and
+text-only loading of multimodal wrappers (Kimi-K2.5) reach every start alike: a stage that
+built its own spec once served another revision than the one its data came from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eagle3_pipeline import verifier as vf
+from eagle3_pipeline.params import Params
+from eagle3_pipeline.serving.server import ServerSpec
+
+SERVED_NAME = "verifier"
+
+
+def model_args(params: Params, dtype: str | None = None) -> dict[str, Any]:
+    """What vLLM loads and how, under vllm.LLM's argument names (also ServerSpec's fields).
+
+    `dtype` None leaves vLLM's default ("auto": bf16 for a float32 checkpoint).
+    """
+    v = params.vllm
+    return {
+        "model": params.verifier.path,
+        "revision": params.verifier.revision,
+        "trust_remote_code": params.verifier.trust_remote_code,
+        "language_model_only": vf.language_model_only(params.verifier.path),
+        "dtype": dtype,
+        "max_model_len": v.max_model_len,
+        "enforce_eager": v.enforce_eager,
+        "tensor_parallel_size": v.tensor_parallel_size,
+    }
+
+
+def verifier_spec(
+    params: Params,
+    log_file: Path,
+    *,
+    reasoning_parser: str | None = None,
+    dtype: str | None = None,
+) -> ServerSpec:
+    """The verifier served as `verifier` with params.vllm (extra_args passed verbatim)."""
+    return ServerSpec(
+        **model_args(params, dtype),
+        log_file=log_file,
+        reasoning_parser=reasoning_parser,
+        served_model_name=SERVED_NAME,
+        ready_timeout_s=params.vllm.ready_timeout_s,
+        extra_args=list(params.vllm.extra_args),
+    )

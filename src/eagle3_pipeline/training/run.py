@@ -1,0 +1,248 @@
+"""One run of speculators' own EAGLE-3 trainer, in-process, on CPU as on GPU, from TrainSettings.
+
+We depend on speculators' trainer rather than rewrite it, so its checkpoints are what vLLM loads.
+`TrainSettings` is everything a run needs, built once (`from_params`); `build_train_config` turns
+it into speculators' TrainConfig and `run_training` runs `main()` inside our scoped patches.
+Besides checkpoints (see `checkpoints`), save_dir gets run.yaml and train_command.txt and, when
+the venv sits inside a git work tree, speculators.patch (`git diff HEAD` of that tree).
+
+Under torchrun (LOCAL_RANK set) each process calls `run_training`; speculators initialises
+torch.distributed (gloo on CPU, via the shims), wraps the drafter in DDP or, with `fsdp`, FSDP2,
+and gives each rank its own bins of `total_seq_len` tokens (global batch: nproc x that). The data
+order is a function of seed and epoch (no state to save).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from eagle3_pipeline.params import TrainParams
+from eagle3_pipeline.training.checkpoints import discard_incomplete, exact_resume
+from eagle3_pipeline.training.data import check_layer_count
+from eagle3_pipeline.training.init_from import init_from_checkpoint
+from eagle3_pipeline.training.metrics import MetricsCallback, metrics_tap
+from eagle3_pipeline.training.speculators_patches import (
+    StepControl,
+    apply_cpu_shims,
+    hidden_state_noise,
+    lm_head_trainable,
+    no_progress_bars,
+)
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """speculators caught SIGINT/SIGTERM, saved `interrupted/` and returned as if done.
+
+    A KeyboardInterrupt so that `except Exception` cleanup in callers does not swallow it and
+    the process exits non-zero.
+    """
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Everything one run needs: train params plus the run's resolved paths and data facts.
+
+    `target_layer_ids` are the aux ids only (the data's final layer is implied).
+    `total_seq_len` is the token budget of one packed batch per process. `train_lm_head`
+    un-freezes the draft lm_head, which speculators always freezes. `fsdp` shards the drafter
+    (torchrun only). `init_from` (a drafter, flat or speculators format) initialises a fresh
+    run. `metrics_every_steps` is speculators' log_freq.
+    """
+
+    data_dir: Path
+    verifier_dir: Path
+    save_dir: Path
+    d2t_path: Path
+    t2d_path: Path
+    draft_vocab_size: int
+    target_layer_ids: list[int]
+    train_data_ratio: float
+    epochs: int
+    lr: float
+    scheduler: Literal["cosine", "linear", "none"]
+    warmup_ratio: float
+    noise_std: float
+    ttt_steps: int
+    ttt_step_loss_decay: float
+    total_seq_len: int
+    seed: int
+    num_workers: int
+    metrics_every_steps: int = 1
+    train_lm_head: bool = False
+    keep_last: int | None = None
+    grad_accumulation: int = 1
+    fsdp: bool = False
+    init_from: Path | None = None
+    init_vocab_mismatch: Literal["remap", "refuse"] = "remap"
+
+    @classmethod
+    def from_params(
+        cls,
+        t: TrainParams,
+        *,
+        data_dir: Path,
+        save_dir: Path,
+        verifier_dir: Path,
+        vocab_dir: Path,
+        draft_vocab_size: int,
+        target_layer_ids: list[int],
+        train_data_ratio: float,
+    ) -> TrainSettings:
+        """The settings of the `train` stage. Every step's metrics reach DVCLive;
+        `t.log_every_steps` thins the log lines only (metrics.MetricsSink)."""
+        return cls(
+            data_dir=data_dir,
+            verifier_dir=verifier_dir,
+            save_dir=save_dir,
+            d2t_path=vocab_dir / "d2t.npy",
+            t2d_path=vocab_dir / "t2d.npy",
+            draft_vocab_size=draft_vocab_size,
+            target_layer_ids=target_layer_ids,
+            train_data_ratio=train_data_ratio,
+            epochs=t.epochs,
+            lr=t.lr,
+            scheduler=t.scheduler,
+            warmup_ratio=t.warmup_ratio,
+            noise_std=t.noise_std,
+            ttt_steps=t.ttt_steps,
+            ttt_step_loss_decay=t.ttt_step_loss_decay,
+            total_seq_len=t.max_tokens_per_batch,
+            seed=t.seed,
+            num_workers=t.num_workers,
+            metrics_every_steps=1,
+            train_lm_head=t.train_lm_head,
+            keep_last=t.keep_last,
+            grad_accumulation=t.grad_accumulation,
+            fsdp=t.strategy == "fsdp" and t.nproc > 1,
+            init_from=Path(t.init_from) if t.init_from else None,
+            init_vocab_mismatch=t.init_vocab_mismatch,
+        )
+
+
+def run_training(
+    s: TrainSettings,
+    on_metrics: MetricsCallback | None,
+    on_init_line: Callable[[str], None] = print,
+) -> None:
+    """Train (or resume) a 1-layer Llama EAGLE-3 drafter with speculators' trainer, AdamW.
+
+    `on_metrics` gets every metric dict speculators logs (see `metrics`); an exception in it
+    aborts training. `on_init_line` receives the init_from report. Under torchrun the launcher
+    must have called `discard_incomplete` first (a rank deleting directories while another lists
+    them races). Raises TrainingInterrupted when a signal stopped the run (rerunning resumes).
+    """
+    _check(s)
+    apply_cpu_shims()
+    if "LOCAL_RANK" not in os.environ:
+        discard_incomplete(s.save_dir)
+    from speculators.train.cli import main
+
+    cfg = build_train_config(s)
+    interrupted_model = s.save_dir / "interrupted" / "model.safetensors"
+    stamp_before = _mtime_ns(interrupted_model)
+    steps = StepControl(s.grad_accumulation)
+    nothing = contextlib.nullcontext()
+    with (
+        metrics_tap(on_metrics, lambda: steps.grad_norm),
+        lm_head_trainable() if s.train_lm_head else nothing,
+        hidden_state_noise(s.noise_std) if s.noise_std > 0 else nothing,
+        exact_resume(s.keep_last, exact=not s.fsdp),
+        steps.patched(),
+        no_progress_bars() if os.environ.get("TQDM_DISABLE") else nothing,
+        # Last: inside the lm_head un-freezing, after exact_resume tidied the scratch dir.
+        init_from_checkpoint(
+            s.init_from,
+            s.init_vocab_mismatch,
+            s.save_dir,
+            on_init_line,
+            run_mapping=str(s.d2t_path.parent),
+        ),
+    ):
+        main(cfg)
+
+    last_epoch_model = s.save_dir / str(s.epochs - 1) / "model.safetensors"
+    if _mtime_ns(interrupted_model) != stamp_before or not last_epoch_model.is_file():
+        raise TrainingInterrupted(
+            f"training stopped by a signal before epoch {s.epochs} finished (speculators saves "
+            f"to {s.save_dir / 'interrupted'}); rerun to resume from the last complete epoch"
+        )
+
+
+def _check(s: TrainSettings) -> None:
+    """Refuse settings speculators would accept and then fail on, or silently misuse."""
+    if s.noise_std < 0:
+        raise ValueError(f"noise_std={s.noise_std} must be >= 0")
+    if s.grad_accumulation < 1:
+        raise ValueError(f"grad_accumulation={s.grad_accumulation} must be >= 1")
+    if s.keep_last is not None and s.keep_last < 1:
+        raise ValueError(f"keep_last={s.keep_last} must be >= 1 (or None: keep every epoch)")
+    if s.fsdp and "LOCAL_RANK" not in os.environ:
+        raise ValueError("fsdp shards the drafter across processes: launch with torchrun")
+    check_layer_count(s.data_dir, s.target_layer_ids)
+
+
+def build_train_config(s: TrainSettings) -> Any:
+    """speculators' TrainConfig for these settings (also what `speculators train` would get)."""
+    from speculators.train.config import TrainConfig
+
+    flags: dict[str, Any] = {
+        "speculator_type": "eagle3",
+        "seed": s.seed,
+        "verifier_name_or_path": str(s.verifier_dir),
+        "draft_arch": "llama",
+        "num_layers": 1,
+        "target_layer_ids": list(s.target_layer_ids),
+        "draft_vocab_size": s.draft_vocab_size,
+        "d2t_path": str(s.d2t_path),
+        "t2d_path": str(s.t2d_path),
+        # Only DFlash-family drafters use it; explicit so speculators loads no tokenizer.
+        "mask_token_id": 0,
+        "data_path": str(s.data_dir),
+        # Reads bf16 files as they are and dequantizes fp8 files that carry scales.
+        "hidden_states_backend": "fp8",
+        # The default, "generate", would ask a vLLM server for a missing file.
+        "on_missing": "raise",
+        "total_seq_len": s.total_seq_len,
+        "train_data_ratio": s.train_data_ratio,
+        "num_workers": s.num_workers,
+        "ttt_steps": s.ttt_steps,
+        "ttt_step_loss_decay": s.ttt_step_loss_decay,
+        "optimizer": "adamw",
+        "lr": s.lr,
+        "scheduler_type": s.scheduler,
+        "scheduler_warmup_ratio": s.warmup_ratio,
+        "epochs": s.epochs,
+        "save_path": str(s.save_dir),
+        "log_freq": s.metrics_every_steps,
+    }
+    if s.fsdp:
+        flags["fsdp_shard"] = True
+    if not torch.cuda.is_available():
+        # Flex attention and the fused loss need a GPU.
+        # fp32 on CPU: bf16 matmuls are emulated here (measured 6x slower per step).
+        flags |= {
+            "draft_attn_impl": "sdpa",
+            "loss_implementation": "eager",
+            "hidden_states_dtype": "float32",
+        }
+    return TrainConfig.from_sources(cli=flags, argv=_as_argv(flags))
+
+
+def _as_argv(flags: dict[str, Any]) -> list[str]:
+    """The equivalent `speculators train` command, recorded in train_command.txt."""
+    argv = ["speculators", "train"]
+    for key, value in flags.items():
+        values = value if isinstance(value, list) else [value]
+        argv += [f"--{key.replace('_', '-')}", *map(str, values)]
+    return argv
+
+
+def _mtime_ns(path: Path) -> int | None:
+    return path.stat().st_mtime_ns if path.exists() else None

@@ -1,0 +1,233 @@
+"""Patches of speculators 0.9.0's trainer: CPU shims, and scoped training options it lacks.
+
+`apply_cpu_shims` fixes, once per process, the places that assume CUDA (a no-op on a CUDA
+machine). The context managers patch one `main()` call and undo it after: no progress bars,
+a trainable lm_head, noise on the hidden states, gradient accumulation with the grad-norm
+record. All patch internals by name, hence `check_version`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+PINNED_SPECULATORS = "0.9.0"
+
+_shims_applied = False
+
+
+def check_version() -> None:
+    """Refuse any speculators but the pinned one: the shims patch 0.9.0's internals by name."""
+    installed = importlib.metadata.version("speculators")
+    if installed != PINNED_SPECULATORS:
+        raise RuntimeError(
+            f"speculators {installed} is installed but eagle3_pipeline.training is written "
+            f" against {PINNED_SPECULATORS}: install speculators=={PINNED_SPECULATORS} "
+            "(constraints/) or re-check the shims and saved layout against the new version"
+        )
+
+
+def apply_cpu_shims() -> None:
+    """Make speculators' single-process trainer run on CPU; a no-op where CUDA is available."""
+    global _shims_applied
+    check_version()
+    if _shims_applied or torch.cuda.is_available():
+        return
+    from speculators.train import checkpointer, cli, trainer
+
+    # The trainer moves model and batches to get_local_rank(), the int 0, which means cuda:0.
+    trainer.get_local_rank = lambda: "cpu"
+    # Step timing calls torch.accelerator.synchronize(), which raises without an accelerator.
+    torch.accelerator.synchronize = lambda device=None: None
+    # Without an accelerator the trainer asks for a "cuda" autocast, which torch rejects on CPU.
+    # We ask for a CPU autocast in float32 (build_train_config sets hidden_states_dtype), which
+    # torch turns into plain fp32: bf16 autocast on this CPU made each step ~6x slower.
+    original_init = trainer.Trainer.__init__
+
+    def init_with_cpu_autocast(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        self.device_type = "cpu"
+
+    trainer.Trainer.__init__ = init_with_cpu_autocast
+    # Resuming loads weights and optimizer state onto get_current_device(), which says cuda:0.
+    checkpointer.get_current_device = lambda: "cpu"
+    # Under torchrun, speculators picks the accelerator's backend and raises without one.
+    cli.maybe_setup_distributed = _setup_distributed_gloo
+    _shims_applied = True
+
+
+def _setup_distributed_gloo(sp_size: int = 1) -> None:
+    """speculators' `maybe_setup_distributed` for CPU processes: gloo, no device binding.
+
+    Fills the same module state (ranks, DP/SP groups) that its samplers and checkpointer read.
+    """
+    import torch.distributed as dist
+    from speculators.train import distributed as sd
+
+    if "LOCAL_RANK" not in os.environ:
+        return
+    dist.init_process_group("gloo")
+    sd._local_rank = int(os.environ["LOCAL_RANK"])
+    sd._is_distributed = True
+    sd._rank = dist.get_rank()
+    sd._world_size = dist.get_world_size()
+    sd._init_sp_process_groups(sd._rank, sd._world_size, sp_size)
+
+
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """speculators' rich progress bars off (they ignore TQDM_DISABLE): noise in a log file."""
+    from speculators.train import trainer as trainer_mod
+
+    original = trainer_mod.tqdm
+    trainer_mod.tqdm = lambda iterable, **_: iterable
+    try:
+        yield
+    finally:
+        trainer_mod.tqdm = original
+
+
+@contextlib.contextmanager
+def lm_head_trainable() -> Iterator[None]:
+    """Un-freeze the draft lm_head, which `load_verifier_weights` freezes on every build.
+
+    A training option, not a CPU fix: applies on GPU too. AdamW receives every parameter, so the
+    head is optimized once it requires grad; it is saved in model.safetensors and resumed.
+    """
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
+    original = Eagle3DraftModel.load_verifier_weights
+
+    def load_then_unfreeze(self: Any) -> None:
+        original(self)
+        self.lm_head.weight.requires_grad_(True)
+
+    Eagle3DraftModel.load_verifier_weights = load_then_unfreeze
+    try:
+        yield
+    finally:
+        Eagle3DraftModel.load_verifier_weights = original
+
+
+@contextlib.contextmanager
+def hidden_state_noise(std: float) -> Iterator[None]:
+    """Gaussian noise on the verifier features fed to the drafter, in training steps only.
+
+    Makes the drafter robust to small differences between stored and served features (bf16,
+    other kernels, fp8 store). Validation (model.eval()) sees clean features. The noise comes
+    from torch's global RNG, which speculators seeds, so runs stay reproducible.
+    """
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
+    original = Eagle3DraftModel.forward
+
+    def noisy_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.training:
+            hidden_states = hidden_states + torch.randn_like(hidden_states) * std
+        return original(self, hidden_states, *args, **kwargs)
+
+    Eagle3DraftModel.forward = noisy_forward
+    try:
+        yield
+    finally:
+        Eagle3DraftModel.forward = original
+
+
+class StepControl:
+    """Gradient accumulation and the grad-norm record, as scoped patches of speculators' step.
+
+    speculators runs zero_grad, backward, clip, optimizer and scheduler step on every batch.
+    With N > 1, zero_grad acts on the first micro-batch of a group, and clip, optimizer and
+    scheduler on its last (the N-th, or the epoch's last), after dividing the summed gradients
+    by the group's size: a step sees the mean gradient, as with one N times larger batch. The
+    scheduler's horizon counts optimizer steps. Metrics and `global_step` stay per micro-batch;
+    `grad_norm` is set only on micro-batches that stepped.
+    """
+
+    def __init__(self, accumulation: int) -> None:
+        self.accumulation = accumulation
+        self.grad_norm: float | None = None
+        self._micro = 0  # index of the current micro-batch in the epoch
+        self._epoch_batches = 0
+
+    def _group_end(self) -> bool:
+        i = self._micro
+        return (i + 1) % self.accumulation == 0 or i + 1 == self._epoch_batches
+
+    def _group_size(self) -> int:
+        i = self._micro
+        return i % self.accumulation + 1
+
+    @contextlib.contextmanager
+    def patched(self) -> Iterator[None]:
+        from speculators.train import trainer as trainer_mod
+
+        cls = trainer_mod.Trainer
+        n = self.accumulation
+        originals = {
+            "train_epoch": cls.train_epoch,
+            "_optimizers_zero_grad": cls._optimizers_zero_grad,
+            "_optimizers_step": cls._optimizers_step,
+            "_schedulers_step": cls._schedulers_step,
+        }
+        resolve_original = trainer_mod._resolve_scheduler_steps
+        clip_original = torch.nn.utils.clip_grad_norm_
+        ctl = self
+
+        def train_epoch(trainer: Any, epoch: int, **kwargs: Any) -> Any:
+            sampler = trainer.train_loader.batch_sampler
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+            ctl._epoch_batches = len(trainer.train_loader)
+            ctl._micro = 0
+            return originals["train_epoch"](trainer, epoch, **kwargs)
+
+        def zero_grad(trainer: Any) -> None:
+            ctl.grad_norm = None  # set again by clip when this micro-batch ends a group
+            if ctl._micro % n == 0:
+                originals["_optimizers_zero_grad"](trainer)
+
+        def clip(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+            if not ctl._group_end():
+                return None
+            parameters = list(parameters)
+            size = ctl._group_size()
+            if size > 1:
+                for p in parameters:
+                    if p.grad is not None:
+                        p.grad.div_(size)
+            norm = clip_original(parameters, max_norm, *args, **kwargs)
+            ctl.grad_norm = float(norm)
+            return norm
+
+        def opt_step(trainer: Any) -> None:
+            if ctl._group_end():
+                originals["_optimizers_step"](trainer)
+
+        def sched_step(trainer: Any) -> None:
+            if ctl._group_end():
+                originals["_schedulers_step"](trainer)
+            ctl._micro += 1
+
+        def resolve(config: Any, train_loader_len: int) -> tuple[int, int]:
+            return resolve_original(config, math.ceil(train_loader_len / n))
+
+        cls.train_epoch = train_epoch
+        cls._optimizers_zero_grad = zero_grad
+        cls._optimizers_step = opt_step
+        cls._schedulers_step = sched_step
+        trainer_mod._resolve_scheduler_steps = resolve
+        torch.nn.utils.clip_grad_norm_ = clip
+        try:
+            yield
+        finally:
+            for name, fn in originals.items():
+                setattr(cls, name, fn)
+            trainer_mod._resolve_scheduler_steps = resolve_original
+            torch.nn.utils.clip_grad_norm_ = clip_original

@@ -1,0 +1,147 @@
+"""evaluation/offline.py: the verifier head read from safetensors, the chained draft acceptance
+at every draft start (as vLLM drafts), and the counts over samples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eagle3_pipeline.errors import VerifierError
+from eagle3_pipeline.evaluation import offline
+
+V = 5  # vocab = hidden size: lm_head is the identity, so greedy = argmax of the hidden state
+
+
+def _head_dir(root: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(root / "model.safetensors"))
+    return root
+
+
+def _head(tmp_path: Path) -> offline.VerifierHead:
+    tensors = {"model.norm.weight": torch.ones(V), "lm_head.weight": torch.eye(V)}
+    return offline.VerifierHead(_head_dir(tmp_path / "v", tensors), rms_norm_eps=1e-6)
+
+
+# --- VerifierHead ----------------------------------------------------------------------------
+
+
+def test_head_is_norm_then_lm_head(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    norm, lm_head = torch.rand(8) + 0.5, torch.randn(11, 8)
+    path = _head_dir(tmp_path / "v", {"model.norm.weight": norm, "lm_head.weight": lm_head})
+    head = offline.VerifierHead(path, rms_norm_eps=1e-5)
+    h = torch.randn(6, 8)
+    ref = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * norm) @ lm_head.T
+    assert torch.equal(head.greedy(h), ref.argmax(-1))
+
+
+def test_head_found_by_suffix_in_a_wrapper_and_tied(tmp_path: Path) -> None:
+    wrapped = {
+        "language_model.model.norm.weight": torch.ones(V),
+        "language_model.lm_head.weight": torch.eye(V),
+        "vision_tower.blocks.0.model.norm.weight": torch.zeros(V),  # longer: not chosen
+    }
+    head = offline.VerifierHead(_head_dir(tmp_path / "w", wrapped), 1e-6)
+    assert torch.equal(head.norm_weight, torch.ones(V)) and torch.equal(head.lm_head, torch.eye(V))
+    tied = {"model.norm.weight": torch.ones(V), "model.embed_tokens.weight": 2 * torch.eye(V)}
+    assert torch.equal(
+        offline.VerifierHead(_head_dir(tmp_path / "t", tied), 1e-6).lm_head,
+        tied["model.embed_tokens.weight"],
+    )
+
+
+def test_head_without_lm_head_is_a_verifier_error(tmp_path: Path) -> None:
+    path = _head_dir(tmp_path / "v", {"model.norm.weight": torch.ones(V)})
+    with pytest.raises(VerifierError, match=r"no tensor named \*lm_head.weight"):
+        offline.VerifierHead(path, 1e-6)
+
+
+# --- simulate_sample -------------------------------------------------------------------------
+
+GREEDY = [1, 2, 3, 4, 1, 2]  # the verifier's token for position p + 1, p = 0..5
+TOKENS = torch.tensor([0, 1, 2, 3, 4, 1])  # L = 6
+N_AUX, K = 2, 3
+
+
+class ScriptedDrafter:
+    """Proposes step 0 right at every start, step 1 right at start 0 only, step 2 never."""
+
+    def __init__(self, d2t: torch.Tensor | None) -> None:
+        self.d2t = d2t
+        self.calls: list[dict] = []
+
+    def __call__(self, **kw: torch.Tensor) -> list[torch.Tensor]:
+        self.calls.append(kw)
+        s = kw["input_ids"].shape[1]
+        shift = 1 if self.d2t is not None else 0  # draft id + d2t = target id
+        drafts = []
+        for k in range(kw["ttt_steps"]):
+            right = [GREEDY[min(i + 1 + k, len(GREEDY) - 1)] for i in range(s)]
+            if k == 1:
+                right = [right[0]] + [0] * (s - 1)
+            if k == 2:
+                right = [0] * s
+            drafts.append(torch.tensor([right]) - shift)
+        return drafts
+
+
+def _hidden_states() -> torch.Tensor:
+    """[L, N_AUX + 1, V]: aux rows are the position index, the final row is one-hot greedy."""
+    hs = torch.arange(len(TOKENS), dtype=torch.float).view(-1, 1, 1).repeat(1, N_AUX + 1, V)
+    hs[:, -1] = torch.nn.functional.one_hot(torch.tensor(GREEDY), V).float()
+    return hs
+
+
+@pytest.mark.parametrize("d2t", [None, torch.ones(V, dtype=torch.long)])
+def test_simulate_sample_chains_steps_like_vllm(tmp_path: Path, d2t: torch.Tensor | None) -> None:
+    drafter = ScriptedDrafter(d2t)
+    mask = torch.tensor([0, 0, 1, 1, 1, 1])  # supervised from position 2: starts 0..3
+    got = offline.simulate_sample(drafter, _head(tmp_path), _hidden_states(), TOKENS, mask, K)
+    assert got.tolist() == [
+        [True, True, False],  # start 0: step 2 wrong
+        [True, False, False],
+        [True, False, False],
+        [True, False, False],  # start 3: step 1 would be past the end
+    ]
+    kw = drafter.calls[0]
+    assert kw["hidden_states"].shape == (1, len(TOKENS) - 1, N_AUX * V)
+    assert kw["hidden_states"][0, :, 0].tolist() == [0, 1, 2, 3, 4]  # aux of positions 0..L-2
+    assert kw["input_ids"][0].tolist() == TOKENS[1:].tolist()
+    assert kw["position_ids"][0].tolist() == [1, 2, 3, 4, 5]
+    assert kw["ttt_steps"] == K
+
+
+def test_unsupervised_draft_starts_are_skipped(tmp_path: Path) -> None:
+    mask = torch.tensor([0, 0, 0, 0, 1, 1])  # starts 2 and 3 only
+    got = offline.simulate_sample(
+        ScriptedDrafter(None), _head(tmp_path), _hidden_states(), TOKENS, mask, K
+    )
+    assert got.tolist() == [[True, False, False], [True, False, False]]
+
+
+# --- AcceptanceCounts ------------------------------------------------------------------------
+
+
+def test_counts_over_samples() -> None:
+    counts = offline.AcceptanceCounts(K)
+    counts.add(torch.tensor([[True, True, False], [True, False, False]]))
+    counts.add(torch.tensor([[False, False, False], [True, True, True]]))
+    assert counts.drafts == 4 and counts.accepted_per_pos == [3, 2, 1]
+    assert counts.summary() == {
+        "num_drafts": 4,
+        "num_draft_tokens": 12,
+        "num_accepted_tokens": 6,
+        "acceptance_rate": 0.5,
+        "mean_acceptance_length": 2.5,
+        "acceptance_per_position": [0.75, 0.5, 0.25],
+    }
+
+
+def test_counts_without_drafts_are_neutral() -> None:
+    got = offline.AcceptanceCounts(K).summary()
+    assert got["mean_acceptance_length"] == 1.0 and got["acceptance_rate"] == 0.0
+    assert got["acceptance_per_position"] == [0.0] * K and got["num_draft_tokens"] == 0

@@ -1,0 +1,188 @@
+"""evaluation/online.py without vLLM: counters, acceptance, requests (through serving/chat.py
+against a local stub), greedy mismatches and the eval.json section."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fake_openai import error, fake_servers, reply, row_id, sequence
+from online_runs import fake_run
+
+from eagle3_pipeline.errors import ServerError
+from eagle3_pipeline.evaluation import online as oe
+from eagle3_pipeline.serving.server import ServerSpec
+
+K = 3
+SETTINGS = oe.Settings(num_speculative_tokens=K, max_new_tokens=24, concurrency=2)
+CONVERSATIONS = [[{"role": "user", "content": f"question q{i}"}] for i in range(6)]
+
+
+@pytest.fixture
+def fake() -> Iterator:
+    with fake_servers() as start:
+        yield start
+
+
+# --- counters --------------------------------------------------------------------------------
+
+
+def _metrics(drafts: float, accepted_pos: list[float], engines: int = 1) -> dict[str, float]:
+    """/metrics as server.metrics returns it, for `engines` engines with equal counts."""
+    out: dict[str, float] = {}
+    for e in range(engines):
+        lab = f'engine="{e}",model_name="verifier"'
+        out[f"vllm:spec_decode_num_drafts_total{{{lab}}}"] = drafts
+        out[f"vllm:spec_decode_num_drafts_created{{{lab}}}"] = 1.7e9
+        out[f"vllm:spec_decode_num_draft_tokens_total{{{lab}}}"] = drafts * len(accepted_pos)
+        out[f"vllm:spec_decode_num_accepted_tokens_total{{{lab}}}"] = sum(accepted_pos)
+        for p, a in enumerate(accepted_pos):
+            key = f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="{p}"}}'
+            out[key] = a
+    return out
+
+
+def test_spec_counters_sum_engines_and_skip_created() -> None:
+    counts = oe.spec_counters(_metrics(10, [8, 4, 2], engines=2), K)
+    assert counts == {
+        "num_drafts": 20,
+        "num_draft_tokens": 60,
+        "num_accepted_tokens": 28,
+        "accepted_pos_0": 16,
+        "accepted_pos_1": 8,
+        "accepted_pos_2": 4,
+    }
+
+
+def test_acceptance_from_counter_deltas() -> None:
+    before = oe.spec_counters(_metrics(5, [5, 5, 5]), K)
+    after = oe.spec_counters(_metrics(15, [13, 9, 7]), K)
+    result = oe.served_acceptance(oe.delta(before, after), K)
+    assert result["num_drafts"] == 10 and result["num_draft_tokens"] == 30
+    assert result["acceptance_rate"] == pytest.approx(14 / 30)
+    assert result["mean_acceptance_length"] == pytest.approx(1 + 14 / 10)
+    assert result["acceptance_per_position"] == pytest.approx([0.8, 0.4, 0.2])
+
+
+def test_acceptance_without_drafts_is_neutral() -> None:
+    result = oe.served_acceptance(oe.spec_counters({}, K), K)
+    assert result["mean_acceptance_length"] == 1.0 and result["acceptance_rate"] == 0.0
+
+
+def test_split_key_reads_labels() -> None:
+    name, labels = oe.split_key('vllm:x_total{engine="0",model_name="a b",position="2"}')
+    assert name == "vllm:x_total"
+    assert labels == {"engine": "0", "model_name": "a b", "position": "2"}
+    assert oe.split_key("plain 1") == ("plain 1", {})
+    assert oe.split_key("plain") == ("plain", {})
+
+
+# --- requests --------------------------------------------------------------------------------
+
+
+def _answer(body: dict) -> tuple[int, dict]:
+    """A greedy reply whose tokens encode the prompt's id (q3 -> [3, 3])."""
+    n = int(row_id(body)[1:])
+    return reply(None, f"answer {n}", token_ids=[n, n], completion_tokens=2)
+
+
+def test_payload_is_greedy_with_token_ids() -> None:
+    payload = oe.chat_payload(CONVERSATIONS[0], SETTINGS)
+    assert payload == {
+        "model": "verifier",
+        "messages": CONVERSATIONS[0],
+        "temperature": 0.0,
+        "max_tokens": 24,
+        "chat_template_kwargs": {},
+        "skip_special_tokens": False,
+        "return_token_ids": True,
+    }
+    assert oe.chat_payload(CONVERSATIONS[0], SETTINGS, max_tokens=4)["max_tokens"] == 4
+
+
+def test_run_prompts_keeps_prompt_order_and_concurrency(fake) -> None:
+    server = fake(_answer)
+    results, wall = oe.run_prompts(server.url, CONVERSATIONS, SETTINGS)
+    assert results == [([i, i], f"answer {i}", 2) for i in range(len(CONVERSATIONS))]
+    assert wall > 0 and server.max_in_flight <= SETTINGS.concurrency
+    assert sorted(server.requested_ids()) == [f"q{i}" for i in range(len(CONVERSATIONS))]
+
+
+def test_transient_failures_are_retried(fake, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(oe.ChatClient, "backoff", lambda self, attempt: 0.01)
+    server = fake(
+        sequence(error(503, "overloaded"), reply("r", "c", token_ids=[1], completion_tokens=1))
+    )
+    assert oe.complete(oe.client(server.url, SETTINGS), {"messages": []}) == ([1], "rc", 1)
+    assert len(server.bodies) == 2
+
+
+def test_a_prompt_that_fails_for_good_is_one_server_error(fake) -> None:
+    server = fake(sequence(error(400, "prompt is too long")))
+    with pytest.raises(ServerError, match="chat completion failed: HTTP 400: prompt is too long"):
+        oe.run_prompts(server.url, CONVERSATIONS, SETTINGS)
+
+
+def test_reply_without_usage_is_a_server_error(fake) -> None:
+    server = fake(sequence(reply(None, "c", token_ids=[1])))
+    with pytest.raises(ServerError, match="without usage.completion_tokens"):
+        oe.complete(oe.client(server.url, SETTINGS), {"messages": []})
+
+
+def test_request_failure_is_one_line_server_error() -> None:
+    settings = oe.Settings(num_speculative_tokens=K, max_new_tokens=4, max_retries=0)
+    with pytest.raises(ServerError, match="chat completion failed"):
+        oe.complete(
+            oe.client("http://127.0.0.1:9", settings), oe.chat_payload(CONVERSATIONS[0], settings)
+        )
+
+
+# --- both runs -------------------------------------------------------------------------------
+
+
+def test_server_specs_differ_only_in_the_drafter(tmp_path: Path) -> None:
+    base = ServerSpec(model="v", log_file=tmp_path / "x.log", revision="r1", trust_remote_code=True)
+    baseline, spec = oe.server_specs(base, Path("models/drafter"), K, tmp_path / "logs")
+    assert baseline.speculative_config is None
+    assert spec.speculative_config == {
+        "method": "eagle3",
+        "model": "models/drafter",
+        "num_speculative_tokens": K,
+    }
+    assert baseline.log_file.name == "vllm-baseline.log" and spec.log_file.name == "vllm-eagle3.log"
+    for s in (baseline, spec):
+        assert (s.model, s.revision, s.trust_remote_code) == ("v", "r1", True)
+
+
+def test_mismatched_prompts_compare_ids_else_texts() -> None:
+    a = fake_run([[1, 2], [3, 4], [], [7]], wall=1.0, drafts=0, accepted=0)
+    b = fake_run([[1, 2], [3, 5], [], [7]], wall=1.0, drafts=0, accepted=0)
+    b.texts[2] = "other"  # no token ids on either side: the texts decide
+    assert oe.mismatched_prompts(a, b) == [1, 2]
+
+
+def test_online_section() -> None:
+    baseline = fake_run([[1, 2, 3]] * 3, wall=2.0, drafts=0, accepted=0)
+    spec = fake_run([[1, 2, 3]] * 3, wall=1.0, drafts=6, accepted=3)
+    section = oe.online_section(baseline, spec, K)
+    assert section["num_prompts"] == 3 and section["num_drafts"] == 6
+    assert section["mean_acceptance_length"] == pytest.approx(1.5)
+    assert section["output_tokens"] == section["output_tokens_baseline"] == 9
+    assert section["tokens_per_s"] == 9 and section["tokens_per_s_baseline"] == 4.5
+    assert section["speedup"] == pytest.approx(2.0)
+
+
+def test_spec_run_without_counters_is_an_error(tmp_path: Path) -> None:
+    def fake(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+        return fake_run([[1]], wall=1.0, drafts=0, accepted=0)
+
+    base = ServerSpec(model="v", log_file=tmp_path / "x.log")
+    with pytest.raises(ServerError, match="speculative decoding is off"):
+        oe.evaluate(base, "d", CONVERSATIONS[:1], SETTINGS, tmp_path, fake)
+
+
+def test_no_prompts_is_an_error(tmp_path: Path) -> None:
+    base = ServerSpec(model="v", log_file=tmp_path / "x.log")
+    with pytest.raises(ValueError, match="at least one prompt"):
+        oe.evaluate(base, "d", [], SETTINGS, tmp_path, lambda *a: pytest.fail("served"))

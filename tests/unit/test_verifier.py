@@ -1,0 +1,36 @@
+"""verifier.py: one custom-code check for the plan and the stages that load the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eagle3_pipeline import verifier as vf
+from eagle3_pipeline.errors import VerifierError
+from eagle3_pipeline.params import load_params
+
+REPO = Path(__file__).resolve().parents[2]
+TEXT = {"num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 16}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [TEXT | {"auto_map": {"AutoConfig": "x.Y"}}, {"text_config": TEXT | {"auto_map": {"a": "b"}}}],
+    ids=["top-level", "under-text_config"],
+)
+def test_custom_code_refused_unless_trusted(config: dict) -> None:
+    params = load_params(REPO / "profiles/tiny-llama.yaml").model_copy(deep=True)
+    params.verifier.trust_remote_code = False
+    with pytest.raises(VerifierError, match=r"data/verifier/config.json has auto_map"):
+        vf.check_remote_code(params, config)
+    with pytest.raises(VerifierError, match=r"^elsewhere.json has auto_map"):
+        vf.check_remote_code(params, config, "elsewhere.json")
+    params.verifier.trust_remote_code = True
+    vf.check_remote_code(params, config)
+
+
+def test_plain_config_needs_no_trust() -> None:
+    params = load_params(REPO / "profiles/tiny-llama.yaml")
+    assert not vf.has_custom_code(TEXT)
+    vf.check_remote_code(params, TEXT)

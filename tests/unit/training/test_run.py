@@ -1,0 +1,154 @@
+"""A speculators run from TrainSettings, against the real speculators 0.9.0 trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from train_workspace import AUX_IDS, DRAFT_VOCAB, tiny_settings, train_tiny, verifier_head_rows
+
+from eagle3_pipeline.params import TrainParams
+from eagle3_pipeline.training import checkpoints
+from eagle3_pipeline.training.run import TrainingInterrupted, TrainSettings, build_train_config
+
+# TrainParams fields that are not settings of a run, and where they go instead.
+NOT_SETTINGS = {
+    "log_every_steps": "log lines only (metrics.MetricsSink)",
+    "nproc": "the launcher; with strategy, it decides fsdp",
+    "strategy": "fsdp",
+}
+RENAMED = {"max_tokens_per_batch": "total_seq_len"}
+# A value unlike the default for each carried field, so a forgotten one shows.
+NON_DEFAULT = {
+    "epochs": 7,
+    "lr": 1e-4,
+    "scheduler": "linear",
+    "warmup_ratio": 0.2,
+    "noise_std": 0.3,
+    "ttt_steps": 5,
+    "ttt_step_loss_decay": 0.8,
+    "max_tokens_per_batch": 999,
+    "num_workers": 2,
+    "seed": 11,
+    "init_from": "some/drafter",
+    "init_vocab_mismatch": "refuse",
+    "train_lm_head": False,
+    "grad_accumulation": 4,
+    "keep_last": 5,
+}
+
+
+def _settings_from(t: TrainParams) -> TrainSettings:
+    return TrainSettings.from_params(
+        t,
+        data_dir=Path("d"),
+        save_dir=Path("s"),
+        verifier_dir=Path("v"),
+        vocab_dir=Path("data/vocab"),
+        draft_vocab_size=DRAFT_VOCAB,
+        target_layer_ids=AUX_IDS,
+        train_data_ratio=0.5,
+    )
+
+
+def test_settings_carry_every_train_param() -> None:
+    """A new TrainParams knob fails here until it is carried (or listed in NOT_SETTINGS)."""
+    assert set(TrainParams.model_fields) == set(NON_DEFAULT) | set(NOT_SETTINGS)
+    defaults = TrainParams()
+    for name, value in NON_DEFAULT.items():
+        assert getattr(defaults, name) != value, f"NON_DEFAULT[{name!r}] is the default"
+    settings = _settings_from(TrainParams(**NON_DEFAULT))
+    fields = {f.name for f in dataclasses.fields(TrainSettings)}
+    for name, value in NON_DEFAULT.items():
+        field = RENAMED.get(name, name)
+        assert field in fields, f"train.{name} does not reach TrainSettings"
+        expected = Path(value) if name == "init_from" else value
+        assert getattr(settings, field) == expected, name
+    assert settings.d2t_path == Path("data/vocab/d2t.npy")
+    assert settings.t2d_path == Path("data/vocab/t2d.npy")
+    assert settings.metrics_every_steps == 1  # every step to DVCLive
+
+
+def test_settings_fsdp_only_with_processes() -> None:
+    assert _settings_from(TrainParams(strategy="fsdp", nproc=2)).fsdp
+    assert not _settings_from(TrainParams(strategy="fsdp", nproc=1)).fsdp
+    assert not _settings_from(TrainParams(strategy="ddp", nproc=2)).fsdp
+    assert _settings_from(TrainParams(init_from=None)).init_from is None
+
+
+def test_train_config_carries_the_settings(inputs: dict[str, Any], tmp_path: Path) -> None:
+    s = tiny_settings(inputs, tmp_path, epochs=4, lr=1e-4, seed=3, total_seq_len=300)
+    cfg = build_train_config(s)
+    dumped = json.dumps(cfg.model_dump(mode="json"))
+    for value in ("0.0001", '"seed": 3', "300", str(s.save_dir), str(s.d2t_path)):
+        assert value in dumped, value
+
+
+def test_run_training_rejects_final_id_and_noise(inputs: dict[str, Any], tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="aux ids only"):
+        train_tiny(inputs, tmp_path, target_layer_ids=[*AUX_IDS, 8])
+    with pytest.raises(ValueError, match="noise"):
+        train_tiny(inputs, tmp_path, noise_std=-0.1)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_run_training_rejects_bad_knobs(inputs: dict[str, Any], tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="grad_accumulation"):
+        train_tiny(inputs, tmp_path, grad_accumulation=0)
+    with pytest.raises(ValueError, match="keep_last"):
+        train_tiny(inputs, tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="torchrun"):
+        train_tiny(inputs, tmp_path, fsdp=True)
+
+
+@pytest.mark.slow
+def test_train_resume_and_best_checkpoint(inputs: dict[str, Any], tmp_path: Path) -> None:
+    first = train_tiny(inputs, tmp_path, epochs=1)
+    second = train_tiny(inputs, tmp_path, epochs=2)  # resumes after epoch 0
+    save_dir = tmp_path / "ckpt"
+
+    for epoch in (0, 1):
+        for name in ("config.json", "model.safetensors", "optimizer_state_dict.pt"):
+            assert (save_dir / str(epoch) / name).is_file()
+    assert checkpoints.best_checkpoint(save_dir) in {save_dir / "0", save_dir / "1"}
+
+    train = [(step, m["train"]) for step, m in first + second if "train" in m]
+    assert [step for step, _ in train] == list(range(len(train)))
+    assert {m["epoch"] for _, m in second} == {1}  # epoch 0 was not rerun
+    for _, values in train:
+        assert math.isfinite(values["loss"])
+        assert {f"full_acc_{k}" for k in range(3)} <= values.keys()
+    vals = [m["val"] for _, m in first + second if "val" in m]
+    assert len(vals) == 2 and all(math.isfinite(v["loss_epoch"]) for v in vals)
+
+    config = json.loads((save_dir / "1" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == AUX_IDS
+    assert config["norm_before_fc"] is True and config["norm_output"] is True
+    assert config["draft_vocab_size"] == DRAFT_VOCAB
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+    verifier = config["speculators_config"]["verifier"]["name_or_path"]
+    assert verifier == str(inputs["root"] / "verifier")
+
+    # speculators keeps the draft lm_head frozen at the verifier's rows.
+    weights = load_file(save_dir / "1" / "model.safetensors")
+    assert torch.equal(weights["lm_head.weight"], verifier_head_rows(inputs))
+
+
+@pytest.mark.slow
+def test_signal_raises_training_interrupted(inputs: dict[str, Any], tmp_path: Path) -> None:
+    def interrupt(metrics: dict, step: int) -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # speculators' handler catches it (as SIGTERM)
+
+    with pytest.raises(TrainingInterrupted):
+        train_tiny(inputs, tmp_path, on_metrics=interrupt)
+    assert (tmp_path / "ckpt" / "interrupted" / "model.safetensors").is_file()
+    assert not (tmp_path / "ckpt" / "0").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

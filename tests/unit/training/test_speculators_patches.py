@@ -1,0 +1,82 @@
+"""The version pin and the scoped patches, each seen in a real speculators 0.9.0 run."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from train_workspace import train_tiny, verifier_head_rows
+
+from eagle3_pipeline.training import speculators_patches as sp
+
+
+def test_check_version_accepts_pinned() -> None:
+    sp.check_version()
+
+
+def test_check_version_rejects_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.10.0")
+    with pytest.raises(RuntimeError, match=r"speculators 0\.10\.0 .* 0\.9\.0"):
+        sp.check_version()
+    with pytest.raises(RuntimeError):
+        sp.apply_cpu_shims()
+
+
+@pytest.mark.slow
+def test_train_lm_head(inputs: dict[str, Any], tmp_path: Path) -> None:
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
+    original = Eagle3DraftModel.load_verifier_weights
+    train_tiny(inputs, tmp_path, train_lm_head=True)
+    weights = load_file(tmp_path / "ckpt" / "0" / "model.safetensors")
+    assert not torch.equal(weights["lm_head.weight"], verifier_head_rows(inputs))
+    assert Eagle3DraftModel.load_verifier_weights is original
+
+
+@pytest.mark.slow
+def test_noise_changes_training_and_stays_reproducible(
+    inputs: dict[str, Any], tmp_path: Path
+) -> None:
+    def weights(name: str, noise: float) -> dict[str, torch.Tensor]:
+        run = tmp_path / name
+        run.mkdir()
+        train_tiny(inputs, run, noise_std=noise)
+        return load_file(run / "ckpt" / "0" / "model.safetensors")
+
+    clean, noisy, noisy_again = weights("a", 0.0), weights("b", 0.5), weights("c", 0.5)
+    assert not torch.equal(clean["fc.weight"], noisy["fc.weight"])
+    assert all(torch.equal(noisy[k], noisy_again[k]) for k in noisy)
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
+    assert Eagle3DraftModel.forward.__name__ == "forward"  # the patch was undone
+
+
+@pytest.mark.slow
+def test_grad_accumulation_steps_every_nth_batch(inputs: dict[str, Any], tmp_path: Path) -> None:
+    """N=3: one optimizer and scheduler step per 3 micro-batches (and the epoch's last one)."""
+    counts = {}
+    for n in (1, 3):
+        run = tmp_path / f"acc{n}"
+        run.mkdir()
+        metrics = train_tiny(inputs, run, grad_accumulation=n, total_seq_len=128)
+        train = [m for _, m in metrics if "train" in m]
+        stepped = [i for i, m in enumerate(train) if "grad_norm" in m]
+        assert all(math.isfinite(train[i]["grad_norm"]) for i in stepped)
+        assert stepped == [i for i in range(len(train)) if (i + 1) % n == 0 or i + 1 == len(train)]
+        optimizer = torch.load(run / "ckpt" / "0" / "optimizer_state_dict.pt")
+        scheduler = torch.load(run / "ckpt" / "0" / "scheduler_state_dict.pt")
+        steps = {int(s["step"]) for s in optimizer["state"].values()}
+        counts[n] = (len(train), steps, scheduler["last_epoch"])
+        # lr is logged per micro-batch: constant within a group of n
+        lrs = [m["lr"] for m in train]
+        assert all(lrs[i] == lrs[i - i % n] for i in range(len(lrs)))
+    batches = counts[1][0]
+    assert batches >= 4 and counts[3][0] == batches
+    assert counts[1][1:] == ({batches}, batches)
+    groups = math.ceil(batches / 3)
+    assert counts[3][1:] == ({groups}, groups)
