@@ -15,7 +15,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export DVC_NO_ANALYTICS := 1
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: venv lock lock-check image-imports train repro profile plan test test-fast lint status metrics plots push pull bench gpu-check docker-build docker-train docker-plan docker clean-work
+.PHONY: venv lock lock-check image-imports train repro profile plan test test-fast lint status metrics plots report push pull bench gpu-check docker-build docker-train docker-plan docker clean-work
 
 ifdef SKIP_VENV
 venv:  # the container's environment is already installed (Dockerfile)
@@ -65,6 +65,7 @@ train: venv profile
 	$(BIN)/eagle3 plan
 	$(BIN)/dvc repro
 	@$(PY) -m eagle3_pipeline.summary
+	@$(MAKE) --no-print-directory report
 
 repro: train
 
@@ -88,6 +89,12 @@ metrics: venv
 
 plots: venv
 	$(BIN)/dvc plots show
+
+# The run report: report/index.html (self-contained, no network needed) + report/png/, from every
+# plot dvc.yaml declares; compares revisions or experiments: make report REVS="HEAD~1 HEAD".
+REVS ?=
+report: venv
+	@$(PY) -m eagle3_pipeline.report.build $(if $(REVS),--revs $(REVS))
 
 push: venv
 	$(BIN)/dvc push

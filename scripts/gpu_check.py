@@ -6,7 +6,8 @@ One line per check, `PASS|FAIL|SKIP <check>: <numbers>`, in this order:
   llama/*       tiny-llama in bf16 through the pipeline's own CLI (`eagle3 <stage>`, the stable
                 entry point): extract with vLLM's STOCK hidden-states connector, speculators
                 training in bf16, vLLM serving the verifier with the drafter (online acceptance,
-                greedy outputs identical with and without it)
+                greedy outputs with and without it judged as vLLM judges its own: identical
+                or diverged only at near ties)
   mla/*         the same for tiny-dsv3 (DeepSeek-V3 MLA + MoE verifier, Kimi-K2.5 layout): the
                 stock connector on an MLA verifier, and vLLM serving the MLA verifier + drafter
 Each pipeline runs in a temp copy of the repo's tracked files (deleted unless `--keep`). A check
@@ -176,12 +177,17 @@ def online_detail(evaluation: dict[str, Any]) -> tuple[bool, str]:
         return False, "metrics/eval.json has no online section"
     identical = bool(evaluation.get("greedy_outputs_identical"))
     mismatch = bool(evaluation.get("mismatch"))
+    # The losslessness verdict (evaluation/losslessness.py): identical, near_ties (passes) or
+    # diverged; an eval.json from before the verdict existed is judged by exact equality.
+    lossless = evaluation.get("lossless") or {}
+    verdict = lossless.get("verdict", "identical" if identical else "diverged")
+    near = f" ({lossless.get('num_near_ties', 0)} near ties)" if verdict == "near_ties" else ""
     detail = (
         f"mean acceptance length {online['mean_acceptance_length']:.3f}, acceptance rate "
         f"{online.get('acceptance_rate', float('nan')):.1%}, x{online.get('speedup', 0):.2f} "
-        f"tokens/s, greedy identical {identical}, MISMATCH {mismatch}"
+        f"tokens/s, greedy identical {identical}, lossless {verdict}{near}, MISMATCH {mismatch}"
     )
-    return (not mismatch), detail
+    return (not mismatch and verdict != "diverged"), detail
 
 
 def check_pipeline(name: str, report: Report, tmp: Path) -> None:

@@ -7,6 +7,7 @@ in place. Everything here writes a new file under a temp name, fsyncs it, then r
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -89,3 +90,42 @@ def replace_dir(path: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """Put `src`'s bytes at `dst` (a new name): a hardlink, or across filesystems a copy.
+
+    A copy (scratch on local NVMe, outputs on shared storage) is fsynced before it counts; the
+    caller publishes `dst`'s directory whole (replace_dir), so a torn copy is never visible.
+    """
+    try:
+        os.link(src, dst)
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+    shutil.copyfile(src, dst)
+    with open(dst, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
+def temp_names(path: str | Path) -> list[Path]:
+    """What a killed atomic_write or replace_dir of `path` left beside it."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    return sorted(
+        [*path.parent.glob(f".{path.name}.*.tmp"), *path.parent.glob(f".{path.name}.old-*")]
+    )
+
+
+def sweep_temps(path: str | Path) -> list[Path]:
+    """Remove what a killed write of `path` left (only the caller's own outputs: the caller holds
+    the stage's lock, so no live writer owns them). Returns what was removed."""
+    removed = temp_names(path)
+    for p in removed:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return removed

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from eagle3_pipeline import paths
+from eagle3_pipeline import disk, paths, stage_lock
 from eagle3_pipeline.errors import PipelineError
 from eagle3_pipeline.serving.server import vllm_env_defaults
 
@@ -158,9 +158,18 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(f"eagle3_pipeline.stages.{args.stage}")
         t0 = time.monotonic()
         shard = getattr(args, "shard", None)
-        module.run(params, shard=shard) if shard else module.run(params)
-        provenance.record(args.stage, params, params_path=args.params)
-        print(f"[{args.stage}] done in {time.monotonic() - t0:.1f} s", flush=True)
+        with stage_lock.hold(args.stage, shard):  # one writer per output, released on any exit
+            swept = stage_lock.sweep(args.stage)
+            if swept:
+                print(
+                    f"[{args.stage}] removed what a killed run left: {len(swept)} temp file(s), "
+                    f"e.g. {swept[0]}",
+                    flush=True,
+                )
+            module.run(params, shard=shard) if shard else module.run(params)
+            elapsed_s = time.monotonic() - t0
+        provenance.record(args.stage, params, params_path=args.params, duration_s=elapsed_s)
+        print(f"[{args.stage}] done in {elapsed_s:.1f} s", flush=True)
         return 0
     except PipelineError as exc:
         if args.debug:
@@ -173,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
+        if disk.is_write_failure(exc):  # a write no stage guarded: still the OS's reason, where
+            where = getattr(exc, "filename", None) or paths.SCRATCH
+            print(f"error: {disk.write_failure(args.stage, exc, where)}", file=sys.stderr)
+            return 2
         print(
             f"error: {args.stage} failed: {type(exc).__name__}: {exc} "
             "(rerun with --debug for the traceback)",

@@ -10,11 +10,17 @@ assistant turn is refused, or with `trailing_assistant="regenerate"` dropped: th
 its own answer in its place. Earlier assistant turns stay as context (never supervised).
 Keys we do not know are dropped; known optional keys appear only when present, so plain rows come
 out exactly as they went in.
+
+Ids are data: any non-empty string (or integer) works, `sharegpt/12345`, UUIDs with colons and
+non-ASCII included (the store derives a safe file name from it: store/names.py). Refused, with the
+file and line of every such row at once: a missing, empty or non-string id, a control character
+(a trailing newline), text that is not valid UTF-8, and duplicates.
 """
 
 from __future__ import annotations
 
 import json
+import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -88,15 +94,29 @@ def _decode(data: bytes, where: str) -> str:
         ) from None
 
 
+def id_problem(value: Any) -> str | None:
+    """Why `value` cannot be a sample id (None: it can)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return None
+    if not isinstance(value, str) or not value.strip():
+        return f"field 'id' must be a non-empty string (got {value!r})"
+    for ch in value:
+        if unicodedata.category(ch) == "Cc":
+            return f"id {value!r} holds the control character U+{ord(ch):04X}"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"id {value!r} is not valid Unicode (a lone surrogate)"
+    return None
+
+
 def normalize(row: Any, where: str, trailing_assistant: TrailingAssistant = "refuse") -> dict:
     """One row in any accepted format -> `{id, messages[, tools]}`, or a DataError at `where`."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: each row must be a JSON object with 'id' and 'messages'")
-    sample_id = row.get("id")
-    if isinstance(sample_id, int) and not isinstance(sample_id, bool):
-        sample_id = str(sample_id)
-    if not isinstance(sample_id, str) or not sample_id:
-        raise DataError(f"{where}: field 'id' must be a non-empty string")
+    if (problem := id_problem(row.get("id"))) is not None:
+        raise DataError(f"{where}: {problem}")
+    sample_id = str(row["id"])
     if row.get("messages") is not None:
         messages = _openai_messages(row["messages"], where)
     elif row.get("conversations") is not None:
@@ -217,16 +237,29 @@ def _sharegpt_messages(turns: Any, where: str) -> list[dict]:
 
 
 def load(source: Path, trailing_assistant: TrailingAssistant = "refuse") -> list[dict]:
-    """Every row of a prompt file or directory, normalized; ids unique across files."""
+    """Every row of a prompt file or directory, normalized; ids unique across files.
+
+    Bad ids are collected over every file and refused together, each with its file and line.
+    """
     rows: list[dict] = []
     seen: dict[str, str] = {}
+    bad: list[str] = []
     for f in prompt_files(source):
         for where, raw in raw_rows(f):
+            if isinstance(raw, dict) and (problem := id_problem(raw.get("id"))) is not None:
+                bad.append(f"{where}: {problem}")
+                continue
             row = normalize(raw, where, trailing_assistant)
             if row["id"] in seen:
-                raise DataError(f"{where}: duplicate id {row['id']!r} (first in {seen[row['id']]})")
+                bad.append(f"{where}: duplicate id {row['id']!r} (first in {seen[row['id']]})")
+                continue
             seen[row["id"]] = where
             rows.append(row)
+    if bad:
+        raise DataError(
+            f"{len(bad)} row(s) with an id that cannot be used: " + "; ".join(bad) + ": give each "
+            "row a unique, non-empty id without control characters (any other text works)"
+        )
     if not rows:
         raise DataError(
             f"{source}: prompt set is empty: add rows with id and messages ({', '.join(SUFFIXES)})"

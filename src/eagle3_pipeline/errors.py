@@ -27,3 +27,7 @@ class CheckpointError(PipelineError):
 
 class ServerError(PipelineError):
     """A vLLM server did not start or did not answer."""
+
+
+class DiskError(PipelineError):
+    """A write failed for a reason of the filesystem (full, quota, I/O error, read-only)."""

@@ -48,6 +48,10 @@ class TinyVerifierParams(_Strict):
     train_lr: float = Field(3e-3, gt=0)
     train_seq_len: int = Field(128, ge=8)
     train_batch_size: int = Field(16, ge=1)
+    # Greedy answers to the first N chat questions of the corpus, after training: their zlib
+    # compression ratio goes to the log and build_stats.json (~1.5 = text, >>3 = repetition
+    # loops, which a drafter learns to copy). 0 = off (the stage's output stays as before).
+    probe_answers: int = Field(0, ge=0)
 
 
 class VerifierParams(_Strict):
@@ -122,6 +126,19 @@ class VocabParams(_Strict):
     draft_vocab_size: int = Field(512, ge=2)
 
 
+class DrafterFlagsParams(_Strict):
+    """What the drafter's norms do, in speculators'/vLLM's meaning (FACTS.md, "EAGLE-3 flags").
+
+    null = the init checkpoint's (train.init_from), or speculators 0.9's trainer defaults
+    without one (norm_before_residual, norm_before_fc and norm_output true, fc_norm false).
+    """
+
+    norm_before_residual: bool | None = None
+    norm_before_fc: bool | None = None
+    fc_norm: bool | None = None
+    norm_output: bool | None = None
+
+
 class TrainParams(_Strict):
     epochs: int = Field(30, ge=1)
     lr: float = Field(3e-3, gt=0)
@@ -137,6 +154,10 @@ class TrainParams(_Strict):
     # When init_from's vocab mapping differs from this run's: remap lm_head rows by target id,
     # or refuse naming both mappings.
     init_vocab_mismatch: Literal["remap", "refuse"] = "remap"
+    # When layers or train.flags differ from what init_from was trained with: refuse naming both
+    # values, or allow (those tensors are retrained on this run's features and wiring).
+    init_mismatch: Literal["refuse", "allow"] = "refuse"
+    flags: DrafterFlagsParams = Field(default_factory=DrafterFlagsParams)
     train_lm_head: bool = True
     log_every_steps: int = Field(10, ge=1)
     grad_accumulation: int = Field(1, ge=1)
@@ -161,6 +182,12 @@ class EvaluateParams(_Strict):
     max_new_tokens: int = Field(64, ge=1)
     mismatch_ratio: float = Field(0.5, gt=0.0, le=1.0)
     concurrency: int = Field(1, ge=1)
+    # Losslessness (evaluation/losslessness.py): both online runs request this many logprobs
+    # per token. Greedy outputs with and without the drafter may differ only at a near tie:
+    # each token in the other run's top-k and the baseline preferring its own token by at most
+    # near_tie_nats (measured here: the two runs' logprobs differ by up to ~0.07 nats).
+    top_logprobs: int = Field(5, ge=1, le=20)
+    near_tie_nats: float = Field(0.1, ge=0.0)
 
 
 class Params(_Strict):

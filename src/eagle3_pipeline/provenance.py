@@ -186,10 +186,23 @@ def collect(stage: str, params: Params, *, params_path: str = "params.yaml") -> 
     }
 
 
-def record(stage: str, params: Params, *, params_path: str = "params.yaml") -> Path:
-    """Write metrics/provenance/<stage>.json for the run that just succeeded."""
+def record(
+    stage: str,
+    params: Params,
+    *,
+    params_path: str = "params.yaml",
+    duration_s: float | None = None,
+) -> Path:
+    """Write metrics/provenance/<stage>.json for the run that just succeeded.
+
+    `duration_s`: the stage's wall time (the CLI measures it around `run`); the run report draws
+    it. Records written before it existed lack the key.
+    """
     path = RECORD_DIR / f"{stage}.json"
-    atomic.write_json(path, collect(stage, params, params_path=params_path))
+    rec = collect(stage, params, params_path=params_path)
+    if duration_s is not None:
+        rec["duration_s"] = round(duration_s, 3)
+    atomic.write_json(path, rec)
     return path
 
 

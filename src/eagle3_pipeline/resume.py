@@ -7,6 +7,8 @@ change, so a resumed run never mixes rows made under other params.
 
 Each batch of finished rows is appended and fsynced; a kill can only lose the batch in flight.
 A torn last line (killed mid-write) is ignored on reading and cut off before the next append.
+An append that fails (disk full, I/O error) ends the stage at once with the OS's reason, the
+mount and its free space (disk.DiskError); the rows journaled before it are kept for the rerun.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import paths
+from eagle3_pipeline import disk, paths
 
 
 class Journal:
@@ -47,7 +49,7 @@ class Journal:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
-        with open(self.path, "ab") as fh:
+        with disk.guard(self.path.parent.name, self.path), open(self.path, "ab") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())

@@ -53,11 +53,18 @@ def main() -> int:
         f'--speculative-config \'{{"method": "eagle3", "model": "{DRAFTER}", '
         f'"num_speculative_tokens": {ev["num_speculative_tokens"]}}}\')'
     )
+    init = ev["offline"].get("init")
+    init_text = (
+        f", init checkpoint without fine-tuning: {init['mean_acceptance_length']:.3f}"
+        if init
+        else ""
+    )
     print(
         f"offline simulated mean acceptance length: {tr['mean_acceptance_length']:.3f} of "
         f"{1 + ev['num_speculative_tokens']} (untrained drafter: "
-        f"{un['mean_acceptance_length']:.3f}); acceptance rate {tr['acceptance_rate']:.1%}; "
-        f"per position {[round(a, 3) for a in tr['acceptance_per_position']]}"
+        f"{un['mean_acceptance_length']:.3f}{init_text}); acceptance rate "
+        f"{tr['acceptance_rate']:.1%}; per position "
+        f"{[round(a, 3) for a in tr['acceptance_per_position']]}"
     )
     online = ev.get("online")
     if online:

@@ -21,8 +21,9 @@ from online_runs import fake_run, write_val_prompts
 from safetensors.torch import load_file, save_file
 from verifiers import build_tiny_verifier
 
-from eagle3_pipeline.errors import DataError
+from eagle3_pipeline.errors import DataError, ServerError
 from eagle3_pipeline.evaluation import online as oe
+from eagle3_pipeline.evaluation.losslessness import TokenLogprobs
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving.server import ServerSpec, serve
 from eagle3_pipeline.stages import evaluate
@@ -170,7 +171,7 @@ def const_run(models: dict) -> oe.RunResult:
 
 
 @pytest.fixture(scope="module")
-def random_eval(models: dict) -> tuple[dict[str, Any], list[int], dict[str, oe.RunResult]]:
+def random_eval(models: dict) -> tuple[dict[str, Any], list[int], dict[str, oe.RunResult], Any]:
     runs: dict[str, oe.RunResult] = {}
 
     def runner(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
@@ -180,10 +181,10 @@ def random_eval(models: dict) -> tuple[dict[str, Any], list[int], dict[str, oe.R
         return result
 
     base = _base_spec(models["verifier"], models["logs"])
-    section, differing = oe.evaluate(
+    section, differing, verdict = oe.evaluate(
         base, models["drafter"], CONVERSATIONS, SETTINGS, models["logs"] / "random", runner
     )
-    return section, differing, runs
+    return section, differing, runs, verdict
 
 
 @pytest.mark.vllm
@@ -198,7 +199,7 @@ def test_const_pair_accepts_every_draft(const_run: oe.RunResult) -> None:
 
 @pytest.mark.vllm
 def test_random_drafter_accepts_almost_nothing(random_eval: tuple) -> None:
-    section, _, _ = random_eval
+    section, _, _, _ = random_eval
     assert section["num_drafts"] > 0, section
     assert section["acceptance_rate"] <= 0.05, section
     assert section["mean_acceptance_length"] <= 1.15, section
@@ -211,7 +212,7 @@ def test_random_drafter_accepts_almost_nothing(random_eval: tuple) -> None:
 
 @pytest.mark.vllm
 def test_greedy_outputs_identical_with_and_without_drafter(random_eval: tuple) -> None:
-    _, differing, runs = random_eval
+    _, differing, runs, verdict = random_eval
     baseline, spec = runs["baseline"], runs["spec"]
     assert baseline.output_tokens > len(PROMPTS) * 4, baseline.texts  # real outputs, not stubs
     assert len({tuple(t) for t in baseline.token_ids}) > 1, baseline.texts  # varied outputs
@@ -221,6 +222,12 @@ def test_greedy_outputs_identical_with_and_without_drafter(random_eval: tuple) -
     assert spec.counters["num_drafts"] > 0 and baseline.counters["num_drafts"] == 0
     assert spec.counters["spec_decode_enabled"] and not baseline.counters["spec_decode_enabled"]
     assert spec.counters["generation_tokens"] == spec.output_tokens
+    assert verdict.outcome == "identical" and verdict.passed
+    # both runs carry top-k logprobs, token for token, and they agree on the chosen tokens
+    for run in (baseline, spec):
+        for ids, logprobs in zip(run.token_ids, run.logprobs, strict=True):
+            assert [t.token_id for t in logprobs] == ids
+            assert all(len(t.top) == SETTINGS.top_logprobs for t in logprobs)
 
 
 @pytest.mark.vllm
@@ -268,8 +275,8 @@ def test_stage_online_section_and_mismatch_line(
 
     monkeypatch.setattr(oe, "serve_and_measure", fake)
     params = _params(mismatch_ratio=0.5)
-    section, mismatched = evaluate.run_online(params)
-    out = evaluate.online_verdict(section, offline_mal=3.0, mismatched=mismatched, params=params)
+    section, mismatched, verdict = evaluate.run_online(params)
+    out = evaluate.online_verdict(section, 3.0, mismatched, params, verdict)
 
     assert [s.speculative_config for s, _, _ in seen] == [
         None,
@@ -279,6 +286,9 @@ def test_stage_online_section_and_mismatch_line(
     assert seen[0][2] == seen[1][2] and seen[0][2].concurrency == params.evaluate.concurrency
     assert seen[0][0].model == params.verifier.path
     assert out["greedy_outputs_identical"] is True
+    assert out["lossless"]["verdict"] == "identical"
+    assert seen[0][2].top_logprobs == params.evaluate.top_logprobs
+    assert seen[0][2].near_tie_nats == params.evaluate.near_tie_nats
     assert out["mismatch"] is True  # 1.5 - 1 < 0.5 * (3.0 - 1)
     online = out["online"]
     assert online["mean_acceptance_length"] == pytest.approx(1.5)
@@ -302,12 +312,47 @@ def test_stage_reports_differing_greedy_outputs(
 
     monkeypatch.setattr(oe, "serve_and_measure", fake)
     params = _params()
-    section, mismatched = evaluate.run_online(params)
-    out = evaluate.online_verdict(section, offline_mal=2.0, mismatched=mismatched, params=params)
+    section, mismatched, verdict = evaluate.run_online(params)
+    out = evaluate.online_verdict(section, 2.0, mismatched, params, verdict)
     assert mismatched == ["p1"]
     assert out["greedy_outputs_identical"] is False
     assert out["online"]["greedy_mismatched_ids"] == ["p1"]
     assert out["mismatch"] is False
+    assert out["lossless"]["verdict"] == "diverged"
+    with pytest.raises(ServerError, match=r"where the baseline was sure, on 1 of 3 .*prompt p1 at"):
+        evaluate.require_lossless(verdict)
+
+
+def test_stage_passes_near_ties_and_records_them(
+    stage_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tie = {5: -0.70, 6: -0.73}  # the two runs' top-2 swap, 0.03 nats apart
+
+    def fake(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+        chosen = 6 if spec.speculative_config else 5
+        run = fake_run([[1, 2], [3, chosen], [5, 6]], wall=1.0, drafts=4, accepted=4)
+        run.logprobs = [
+            None,
+            [TokenLogprobs(3, -0.1, {3: -0.1}), TokenLogprobs(chosen, tie[chosen], tie)],
+            None,
+        ]
+        return run
+
+    monkeypatch.setattr(oe, "serve_and_measure", fake)
+    params = _params()
+    section, mismatched, verdict = evaluate.run_online(params)
+    out = evaluate.online_verdict(section, 2.0, mismatched, params, verdict)
+    evaluate.require_lossless(verdict)  # passes
+    assert out["greedy_outputs_identical"] is False and mismatched == ["p1"]
+    lossless = out["lossless"]
+    assert (lossless["verdict"], lossless["num_near_ties"], lossless["num_identical"]) == (
+        "near_ties",
+        1,
+        2,
+    )
+    (row,) = lossless["near_tie_positions"]
+    assert (row["prompt"], row["position"]) == ("p1", 1)
+    assert row["margin_nats"] == pytest.approx(0.03)
 
 
 def test_stage_without_val_prompts_is_one_line_error(

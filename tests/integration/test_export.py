@@ -25,12 +25,13 @@ DRAFT_IDS = list(range(0, 256))
 K = 3
 
 
-def make_repo(root: Path, verifier: Path) -> Path:
+def make_repo(root: Path, verifier: Path, legacy: bool = False) -> Path:
     """A workspace as export finds it: data/verifier, data/vocab, models/trained/best.
 
     The drafter is random except that it predicts from the last layer's input through the
     verifier's own lm_head rows (fc reads aux block 3, attention and MLP outputs are zero),
-    so vLLM accepts some of its drafts and every norm flag changes which ones.
+    so vLLM accepts some of its drafts and every norm flag changes which ones. `legacy` wires it
+    as SpecForge does (every flag false), as a run initialised from such a drafter trains it.
     """
     root.mkdir(parents=True, exist_ok=True)
     shutil.copytree(verifier, root / "data" / "verifier")
@@ -43,6 +44,7 @@ def make_repo(root: Path, verifier: Path) -> Path:
             AUX,
             seed=5,
             random_head=False,
+            legacy_flags=legacy,
         )
     finally:
         os.chdir(cwd)
@@ -60,10 +62,16 @@ def make_repo(root: Path, verifier: Path) -> Path:
     return root
 
 
-def params(fmt: str = "flat", server: str = "vllm") -> Params:
+SPECFORGE_FLAGS = dict.fromkeys(
+    ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"), False
+)
+
+
+def params(fmt: str = "flat", server: str = "vllm", flags: dict | None = None) -> Params:
     return Params.model_validate(
         {
             "layers": {"aux_layer_ids": AUX},
+            "train": {"flags": flags or {}},
             "vocab": {"draft_vocab_size": len(DRAFT_IDS)},
             "export": {"format": fmt, "server": server},
             "evaluate": {"num_speculative_tokens": K},
@@ -131,6 +139,21 @@ def test_flat_export_refuses_a_tampered_copy(verifier: Path, tmp_path: Path) -> 
     save_file(weights, str(root / "models/drafter/model.safetensors"))
     with pytest.raises(CheckpointError, match="fc.weight differs"):
         export.check_same_tensors(root / "models/trained/best", root / "models/drafter")
+
+
+def test_export_writes_the_runs_flags(verifier: Path, tmp_path: Path) -> None:
+    """A run with SpecForge's wiring exports it, every flag explicit (vLLM reads an absent
+    norm_before_residual as true); params that disagree with the checkpoint are refused."""
+    root = make_repo(tmp_path / "repo", verifier, legacy=True)
+    with pytest.raises(CheckpointError, match="norm_before_fc: checkpoint False vs params True"):
+        run_export(root, params("speculators"))
+    config = run_export(root, params("speculators", flags=SPECFORGE_FLAGS))
+    assert {k: config[k] for k in SPECFORGE_FLAGS} == SPECFORGE_FLAGS
+    flat = run_export(root, params("flat", flags=SPECFORGE_FLAGS))
+    assert {k: flat[k] for k in SPECFORGE_FLAGS} == SPECFORGE_FLAGS
+    # SGLang computes exactly this wiring: the flat export for it is allowed now.
+    sglang = run_export(root, params("flat", "sglang", flags=SPECFORGE_FLAGS))
+    assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in AUX]
 
 
 VLLM_SCRIPT = textwrap.dedent(
@@ -204,3 +227,37 @@ def test_vllm_serves_flat_export_like_speculators_export(
     drafts = spec["counters"]["vllm:spec_decode_num_drafts"][0]
     assert drafts > 0
     print(f"flat == speculators export: {accepted} accepted in {drafts} drafts of {K}")
+
+
+@pytest.mark.vllm
+def test_vllm_serves_specforge_wired_export(tiny_verifier_dir: Path, tmp_path: Path) -> None:
+    """The flags a SpecForge checkpoint carries (all false) survive export and vLLM 0.32 loads
+    them: greedy outputs equal the baseline's, and both formats draft identically."""
+    root = make_repo(tmp_path / "repo", tiny_verifier_dir, legacy=True)
+    run_export(root, params("speculators", flags=SPECFORGE_FLAGS))
+    shutil.copytree(root / "models/drafter", tmp_path / "spec")
+    run_export(root, params("flat", flags=SPECFORGE_FLAGS))
+    shutil.copytree(root / "models/drafter", tmp_path / "flat")
+    env = dict(os.environ)
+    env |= {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", VLLM_SCRIPT, str(tiny_verifier_dir), str(out)]
+        + [str(tmp_path / "spec"), str(tmp_path / "flat")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    baseline = result.pop("baseline")
+    spec, flat = result[str(tmp_path / "spec")], result[str(tmp_path / "flat")]
+    assert spec["tokens"] == baseline["tokens"] and flat["tokens"] == baseline["tokens"]
+    assert flat["counters"] == spec["counters"]
+    assert spec["counters"]["vllm:spec_decode_num_drafts"][0] > 0

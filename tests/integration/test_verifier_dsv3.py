@@ -115,7 +115,11 @@ def test_id_zero_is_refused_before_vllm_starts(verifier: Path) -> None:
 
 
 def make_params(verifier: Path, backend: str) -> Params:
-    return extract_params(verifier, backend, AUX_IDS, N_LAYERS, max_tokens_per_batch=120)
+    params = extract_params(verifier, backend, AUX_IDS, N_LAYERS, max_tokens_per_batch=120)
+    # The fp32 verifier on a CPU with AMX: vLLM would pick AMX_MLA, which takes bf16 weights
+    # only (profiles/tiny-dsv3.yaml asks for CPU_MLA the same way).
+    vllm = params.vllm.model_copy(update={"extra_args": ["--attention-backend", "CPU_MLA"]})
+    return params.model_copy(update={"vllm": vllm})
 
 
 def write_tokenized(root: Path, vocab_size: int) -> dict[str, list[int]]:

@@ -173,3 +173,43 @@ def test_json_array_error_names_line(tmp_path: Path) -> None:
     f.write_text('[\n{"id": "a",\n "messages": oops}\n]')
     with pytest.raises(DataError, match=r"p.json: line 3: not valid JSON"):
         load(f)
+
+
+def _row(sid: object) -> str:
+    return json.dumps({"id": sid, "messages": [{"role": "user", "content": "hi"}]}) + "\n"
+
+
+def test_ids_real_datasets_carry_are_accepted(tmp_path: Path) -> None:
+    ids = ["sharegpt/12345", "urn:uuid:4f1c2a9e-8b1d-4c1e-9a3b-2f6d7e8c9a01", "prompt-é日本", "a b"]
+    (tmp_path / "p.jsonl").write_text("".join(_row(s) for s in [*ids, 17, "ABC", "abc"]))
+    assert [r["id"] for r in load(tmp_path / "p.jsonl")] == [*ids, "17", "ABC", "abc"]
+
+
+def test_every_bad_id_is_named_with_its_file_and_line(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_text(
+        _row("ok-1") + _row("abc\n") + _row("") + _row("ok-2") + _row(["x"]) + _row("ok-1")
+    )
+    (tmp_path / "b.jsonl").write_text(_row("tab\there") + _row("   ") + _row(None))
+    with pytest.raises(DataError) as err:
+        load(tmp_path)
+    msg = str(err.value)
+    assert msg.startswith("7 row(s) with an id that cannot be used: ") and "\n" not in msg
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for where, why in [
+        (f"{a}: line 2", "control character U+000A"),
+        (f"{a}: line 3", "non-empty string (got '')"),
+        (f"{a}: line 5", "non-empty string (got ['x'])"),
+        (f"{a}: line 6", f"duplicate id 'ok-1' (first in {a}: line 1)"),
+        (f"{b}: line 1", "control character U+0009"),
+        (f"{b}: line 2", "non-empty string (got '   ')"),
+        (f"{b}: line 3", "non-empty string (got None)"),
+    ]:
+        assert f"{where}: " in msg and why in msg, (where, why)
+
+
+def test_a_lone_surrogate_id_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "p.jsonl").write_text(
+        '{"id": "x\\ud800", "messages": [{"role": "user", "content": "q"}]}\n'
+    )
+    with pytest.raises(DataError, match=r"line 1: id .* is not valid Unicode"):
+        load(tmp_path / "p.jsonl")

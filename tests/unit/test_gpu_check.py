@@ -47,7 +47,7 @@ def test_pipeline_params_are_valid_bf16_and_online(name: str) -> None:
     assert params.extract.store_dtype == "bf16" and params.extract.backend == "vllm"
     assert params.evaluate.online  # vLLM serves the verifier with the drafter
     assert params.verifier.tiny.architecture == base["verifier"]["tiny"]["architecture"]
-    assert base["vllm"]["extra_args"] == ["--dtype", "float32"]  # merge copied, not mutated
+    assert base["vllm"]["extra_args"][:2] == ["--dtype", "float32"]  # merge copied, not mutated
 
 
 def test_the_mla_verifier_is_checked() -> None:
@@ -95,6 +95,23 @@ def test_online_detail_reads_eval_json() -> None:
     assert ok and detail.startswith("mean acceptance length 3.500, acceptance rate 83.0%, x1.90")
     assert not gc.online_detail({"online": {}})[0]
     assert not gc.online_detail(evaluation | {"mismatch": True})[0]
+    assert "lossless identical" in detail
+    # no verdict in an older eval.json: exact equality decides
+    assert not gc.online_detail(evaluation | {"greedy_outputs_identical": False})[0]
+
+
+def test_online_detail_passes_near_ties_and_fails_divergence() -> None:
+    evaluation = {
+        "online": {"mean_acceptance_length": 3.5, "acceptance_rate": 0.83, "speedup": 1.9},
+        "greedy_outputs_identical": False,
+        "mismatch": False,
+        "lossless": {"verdict": "near_ties", "num_near_ties": 2},
+    }
+    ok, detail = gc.online_detail(evaluation)
+    assert ok and "lossless near_ties (2 near ties)" in detail
+    evaluation["lossless"] = {"verdict": "diverged", "num_near_ties": 0}
+    ok, detail = gc.online_detail(evaluation)
+    assert not ok and "lossless diverged" in detail
 
 
 def test_tokens_per_s_and_median(tmp_path: Path) -> None:

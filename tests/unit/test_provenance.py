@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,35 @@ def test_record_fields(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rec = provenance.collect("train", other)
     assert rec["git_dirty_files"] == ["params.yaml"]
     assert rec["params_changed_vs_commit"] == {"train.lr": [0.001, 0.002]}
+
+
+def test_record_keeps_the_stage_duration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(_git_repo(tmp_path / "r"))
+    rec = json.loads(provenance.record("vocab", Params(), duration_s=12.34567).read_text())
+    assert rec["duration_s"] == 12.346  # the run report draws it (stage durations)
+    assert "duration_s" not in json.loads(provenance.record("vocab", Params()).read_text())
+
+
+def test_cli_records_the_duration_it_prints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from eagle3_pipeline import cli
+
+    monkeypatch.chdir(_git_repo(tmp_path / "r"))
+    (tmp_path / "r" / "params.yaml").write_text("seed: 0\n")
+    seen: dict[str, float | None] = {}
+    real = provenance.record
+
+    def spy(stage: str, params: Params, **kw: object) -> Path:
+        seen["duration_s"] = kw.get("duration_s")  # type: ignore[assignment]
+        return real(stage, params, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(provenance, "record", spy)
+    monkeypatch.setattr("eagle3_pipeline.stages.prepare.run", lambda params: time.sleep(0.2))
+    assert cli.main(["prepare", "--params", "params.yaml"]) == 0
+    printed = float(capsys.readouterr().out.split("done in ")[1].split(" s")[0])
+    assert seen["duration_s"] is not None and seen["duration_s"] >= 0.2
+    assert printed == pytest.approx(seen["duration_s"], abs=0.05)
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,24 @@ def test_matching_params(run_dir: Path, capsys) -> None:
     assert "offline simulated mean acceptance length: 2.500" in out.out and out.err == ""
 
 
+def test_three_drafters_side_by_side(run_dir: Path, capsys) -> None:
+    """With train.init_from, the init checkpoint as published is printed beside the others."""
+    with_init = EVAL | {
+        "offline": EVAL["offline"] | {"init": COUNTS | {"mean_acceptance_length": 2.125}}
+    }
+    (run_dir / "metrics/eval.json").write_text(json.dumps(with_init))
+    assert summary.main() == 0
+    out = capsys.readouterr().out
+    assert (
+        "2.500 of 4 (untrained drafter: 1.000, init checkpoint without fine-tuning: 2.125)" in out
+    )
+
+
+def test_no_init_entry_without_init_from(run_dir: Path, capsys) -> None:
+    assert summary.main() == 0
+    assert "init checkpoint" not in capsys.readouterr().out
+
+
 def test_params_changed_since_the_measurement(run_dir: Path, capsys) -> None:
     params = yaml.safe_load(Path("params.yaml").read_text())
     params["train"]["epochs"] += 1

@@ -25,6 +25,12 @@ python/sglang/srt/models/llama_eagle3.py, commits 03d5a77 and d737979) has none 
 the residual before hidden_norm, feeds `fc` un-normed, chains the pre-norm state, takes exactly 3
 aux layers and 1 decoder layer, and silently ignores an `input_norm.weight`. A drafter that needs
 any of them cannot be expressed there: `check_server` refuses it.
+
+A flat file that this pipeline did not write (no `eagle3_pipeline.layer_convention`) is read as
+SpecForge wrote it (FACTS.md, "EAGLE-3 flags"): ids in SGLang's convention, `fc_norm` as
+written, no norm before fc, and `norm_output` in SpecForge's meaning (absent or true = logits
+from norm(h) with the pre-norm state chained, i.e. speculators' false; false = no final norm,
+which neither speculators nor vLLM computes: refused). `read_conventions` is that one reading.
 """
 
 from __future__ import annotations
@@ -37,12 +43,16 @@ from typing import Any, Literal
 
 import torch
 
+from eagle3_pipeline.drafter.conventions import (  # noqa: F401 (re-exported)
+    FLAGS,
+    Convention,
+    read_conventions,
+    vllm_layer_ids,
+)
 from eagle3_pipeline.errors import CheckpointError
 
 FLAT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 Server = Literal["vllm", "sglang"]
-Convention = Literal["vllm", "sglang"]
-FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 # transformer_layer_config keys that a flat config must not copy: they describe the HF object,
 # not the drafter, or are rewritten below.
 _NOT_COPIED = {
@@ -68,11 +78,6 @@ def server_layer_ids(vllm_ids: list[int], server: Server, where: str = "export")
             "id + 1, so its lowest is our 1): pick aux_layer_ids >= 1 or export.server: vllm"
         )
     return [i - 1 for i in vllm_ids]
-
-
-def vllm_layer_ids(ids: list[int], convention: Convention) -> list[int]:
-    """Ids written in `convention`, as our (vLLM-convention) ids."""
-    return list(ids) if convention == "vllm" else [i + 1 for i in ids]
 
 
 def check_server(
@@ -301,37 +306,20 @@ def open_checkpoint(path: str | Path) -> DrafterCheckpoint:
         raise CheckpointError(f"{config_path}: not found: point train.init_from at a drafter dir")
     config = json.loads(config_path.read_text())
     files = _weight_files(path)
-    if config.get("speculators_model_type") is not None:
-        if config["speculators_model_type"] != "eagle3":
-            raise CheckpointError(
-                f"{config_path}: speculators_model_type {config['speculators_model_type']!r}; "
-                "only eagle3 drafters can initialise this run"
-            )
-        fmt: Literal["flat", "speculators"] = "speculators"
-        layer_config = config["transformer_layer_config"]
-        aux = config.get("eagle_aux_hidden_state_layer_ids")
-        convention: Convention = "vllm"
-        flags = {k: bool(config.get(k, k == "norm_before_residual")) for k in FLAGS}
-    elif FLAT_ARCHITECTURE in (config.get("architectures") or []) or any(
-        k.startswith("midlayer.") for k in files
+    is_flat = config.get("speculators_model_type") is None
+    if is_flat and not (
+        FLAT_ARCHITECTURE in (config.get("architectures") or [])
+        or any(k.startswith("midlayer.") for k in files)
     ):
-        fmt = "flat"
-        layer_config = config
-        eagle_config = config.get("eagle_config") or {}
-        aux = eagle_config.get("eagle_aux_hidden_state_layer_ids") or config.get(
-            "eagle_aux_hidden_state_layer_ids"
-        )
-        # Our own flat exports say which convention they wrote; any other flat file comes from
-        # SpecForge/SGLang (AQ-MedAI), whose ids are SGLang's.
-        ours = (config.get("eagle3_pipeline") or {}).get("layer_convention")
-        convention = ours if ours in ("vllm", "sglang") else "sglang"
-        flags = {k: bool(config.get(k, eagle_config.get(k, False))) for k in FLAGS}
-    else:
         raise CheckpointError(
             f"{config_path}: neither a speculators drafter (speculators_model_type) nor a flat "
             f"EAGLE-3 drafter (architectures {config.get('architectures')}): point "
             "train.init_from at an EAGLE-3 drafter directory"
         )
+    conv = read_conventions(config, config_path)
+    fmt: Literal["flat", "speculators"] = "flat" if is_flat else "speculators"
+    layer_config = config if is_flat else config["transformer_layer_config"]
+    aux, convention, flags = conv.aux_layer_ids, conv.convention, conv.flags
     ckpt = DrafterCheckpoint(
         path=path,
         format=fmt,
@@ -351,29 +339,18 @@ def open_checkpoint(path: str | Path) -> DrafterCheckpoint:
 def to_speculators_config(flat: dict[str, Any], verifier_name_or_path: str) -> dict[str, Any]:
     """A flat config.json as a speculators Eagle3 config dict (the inverse of `to_flat_config`).
 
-    The aux ids come back in our (vLLM) convention, read through the file's
-    `eagle3_pipeline.layer_convention` (SGLang's when absent, see `open_checkpoint`).
+    Ids (in our vLLM convention) and flags (in vLLM's meaning) as `read_conventions` reads them.
     """
-    ours = (flat.get("eagle3_pipeline") or {}).get("layer_convention")
-    convention: Convention = ours if ours in ("vllm", "sglang") else "sglang"
-    eagle_config = flat.get("eagle_config") or {}
-    aux = eagle_config.get("eagle_aux_hidden_state_layer_ids")
-    skip = {"eagle_config", "draft_vocab_size", "target_hidden_size", "eagle3_pipeline", *FLAGS}
-    tl = {k: v for k, v in flat.items() if k not in skip | {"architectures", "torch_dtype"}}
-    tl["architectures"] = ["LlamaForCausalLM"]
-    tl.pop("rope_theta", None)
-    tl.pop("rope_scaling", None)
-    rope = {"rope_theta": flat.get("rope_theta", 10000.0), "rope_type": "default"}
-    rope |= flat.get("rope_scaling") or {}
-    tl["rope_parameters"] = rope
+    conv = read_conventions(flat, "flat config.json")
+    aux = conv.vllm_aux_layer_ids
     return {
         "architectures": ["Eagle3DraftModel"],
         "speculators_model_type": "eagle3",
-        "transformer_layer_config": tl,
-        "draft_vocab_size": flat["draft_vocab_size"],
-        "target_hidden_size": flat.get("target_hidden_size"),
-        "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(aux, convention) if aux else None,
-        **{k: bool(flat.get(k, eagle_config.get(k, False))) for k in FLAGS},
+        "transformer_layer_config": conv.layer_config,
+        "draft_vocab_size": conv.draft_vocab_size,
+        "target_hidden_size": conv.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": aux,
+        **conv.flags,
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",

@@ -1,7 +1,8 @@
 """Load EAGLE-3 drafters (speculators or flat format) for checks and simulation, on CPU or GPU.
 
 The drafter's config flags are the contract with the server: `expected_config` derives them from
-the same params the trainer used, and `check_config` refuses a checkpoint that disagrees. A flat
+the run's conventions (drafter.conventions, the trainer's source too), and `check_config`
+refuses a checkpoint that disagrees. A flat
 export (flat_format.py) is read back through the same speculators model, so the checks and the
 offline simulation see exactly the function the server computes.
 """
@@ -16,10 +17,13 @@ import numpy as np
 import torch
 
 from eagle3_pipeline.drafter import flat_format
+from eagle3_pipeline.drafter.conventions import (
+    FLAGS,
+    LAYER_SHAPE_FIELDS,
+    RunConventions,
+    read_conventions,
+)
 from eagle3_pipeline.errors import CheckpointError
-
-# speculators 0.9.0 writes these as true; vLLM must apply the same norms or acceptance collapses.
-SERVING_FLAGS = {"norm_before_fc": True, "norm_output": True}
 
 
 def _attn_impl() -> str:
@@ -113,39 +117,47 @@ def load_mapping(vocab_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     return d2t, t2d
 
 
-def expected_config(aux_layer_ids: list[int], draft_vocab_size: int, verifier_name: str) -> dict:
-    return {
-        "eagle_aux_hidden_state_layer_ids": aux_layer_ids,
+def expected_config(conventions: RunConventions, draft_vocab_size: int, verifier_name: str) -> dict:
+    """What a drafter trained under `conventions` must say; vLLM must apply the same norms to
+    the same layers or acceptance collapses."""
+    expected = {
+        "eagle_aux_hidden_state_layer_ids": conventions.aux_layer_ids,
         "draft_vocab_size": draft_vocab_size,
         "verifier_name_or_path": verifier_name,
-        **SERVING_FLAGS,
+        **conventions.flags,
     }
+    if conventions.layer_config is not None:
+        expected |= {
+            f"layer.{k}": conventions.layer_config.get(k)
+            for k in LAYER_SHAPE_FIELDS
+            if conventions.layer_config.get(k) is not None
+        }
+    return expected
 
 
-def config_view(config: dict[str, Any]) -> dict[str, Any]:
+def config_view(config: dict[str, Any], where: str | Path = "config.json") -> dict[str, Any]:
     """The fields of a saved drafter config.json that `expected_config` speaks about.
 
-    A flat config is read back into our terms: aux ids in vLLM's convention (through its
-    `eagle3_pipeline.layer_convention`), the verifier from its `eagle3_pipeline` record.
+    Read through `read_conventions` in either format: aux ids in vLLM's convention, flags in
+    vLLM's meaning; the verifier from a flat file's `eagle3_pipeline` record.
     """
-    if config.get("speculators_model_type") is None and "eagle_config" in config:
-        spec = flat_format.to_speculators_config(
-            config, (config.get("eagle3_pipeline") or {}).get("verifier", {}).get("name_or_path")
-        )
-        return config_view(spec)
+    conv = read_conventions(config, where)
+    if conv.origin == "speculators":
+        verifier = config.get("speculators_config", {}).get("verifier", {}).get("name_or_path")
+    else:
+        verifier = (config.get("eagle3_pipeline") or {}).get("verifier", {}).get("name_or_path")
     return {
-        "eagle_aux_hidden_state_layer_ids": config.get("eagle_aux_hidden_state_layer_ids"),
-        "draft_vocab_size": config.get("draft_vocab_size"),
-        "verifier_name_or_path": config.get("speculators_config", {})
-        .get("verifier", {})
-        .get("name_or_path"),
-        **{k: config.get(k) for k in SERVING_FLAGS},
+        "eagle_aux_hidden_state_layer_ids": conv.vllm_aux_layer_ids,
+        "draft_vocab_size": conv.draft_vocab_size,
+        "verifier_name_or_path": verifier,
+        **{k: conv.flags[k] for k in FLAGS},
+        **{f"layer.{k}": conv.layer_config.get(k) for k in LAYER_SHAPE_FIELDS},
     }
 
 
 def check_config(path: str | Path, expected: dict[str, Any]) -> None:
     config = json.loads((Path(path) / "config.json").read_text())
-    got = config_view(config)
+    got = config_view(config, Path(path) / "config.json")
     diff = {k: (got[k], v) for k, v in expected.items() if got[k] != v}
     if diff:
         parts = ", ".join(f"{k}: checkpoint {a!r} vs params {b!r}" for k, (a, b) in diff.items())

@@ -12,11 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline import verifier as vf
+from eagle3_pipeline.drafter.conventions import RunConventions, read_conventions
 from eagle3_pipeline.errors import CheckpointError
 from eagle3_pipeline.params import Params
-
-# speculators 0.9.0 trains eagle3 drafters with norm_before_fc on unless the config says otherwise.
-TRAINER_NORM_BEFORE_FC = True
 
 
 @dataclass(frozen=True)
@@ -27,7 +25,7 @@ class DrafterShape:
     hidden_size: int
     target_vocab_size: int
     draft_vocab_size: int
-    aux_layer_ids: list[int] | None
+    aux_layer_ids: list[int] | None  # in vLLM's convention
     intermediate_size: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -37,8 +35,6 @@ class DrafterShape:
     norm_before_fc: bool
     fc_norm: bool = False
     config_file: Path | None = None
-    # A flat file not written by us: its aux ids follow the convention of whoever trained it.
-    legacy_flat: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,36 +56,33 @@ def _int(cfg: dict[str, Any], key: str, where: Path) -> int:
 
 def drafter_from_init(config: dict[str, Any], where: Path) -> DrafterShape:
     """Both formats: speculators (`transformer_layer_config`) and legacy flat (EAGLE/SpecForge)."""
-    speculators_format = isinstance(config.get("transformer_layer_config"), dict)
-    layer = config["transformer_layer_config"] if speculators_format else config
-    eagle = config.get("eagle_config") or {}
+    conv = read_conventions(config, where)
+    layer = conv.layer_config
     hidden = _int(layer, "hidden_size", where)
     heads = _int(layer, "num_attention_heads", where)
     target_vocab = _int(layer, "vocab_size", where)
-    aux_key = "eagle_aux_hidden_state_layer_ids"
-    aux = config.get(aux_key, eagle.get(aux_key))
-    norm_before_fc = config.get("norm_before_fc", eagle.get("norm_before_fc", False))
-    arch = "speculators" if speculators_format else "legacy flat"
+    arch = "speculators" if conv.origin == "speculators" else "legacy flat"
     return DrafterShape(
         source=f"init checkpoint {where} ({arch}, {', '.join(config.get('architectures', []))})",
         hidden_size=hidden,
         target_vocab_size=target_vocab,
-        draft_vocab_size=int(config.get("draft_vocab_size") or target_vocab),
-        aux_layer_ids=list(aux) if aux is not None else None,
+        draft_vocab_size=conv.draft_vocab_size,
+        aux_layer_ids=conv.vllm_aux_layer_ids,
         intermediate_size=_int(layer, "intermediate_size", where),
         num_attention_heads=heads,
         num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
         head_dim=int(layer.get("head_dim") or hidden // heads),
         attention_bias=bool(layer.get("attention_bias", False)),
         mlp_bias=bool(layer.get("mlp_bias", False)),
-        norm_before_fc=bool(norm_before_fc),
-        fc_norm=bool(config.get("fc_norm", False)),
+        norm_before_fc=conv.flags["norm_before_fc"],
+        fc_norm=conv.flags["fc_norm"],
         config_file=where,
-        legacy_flat=not speculators_format and "eagle3_pipeline" not in config,
     )
 
 
-def drafter_from_verifier(config: dict[str, Any], params: Params, aux: list[int]) -> DrafterShape:
+def drafter_from_verifier(
+    config: dict[str, Any], params: Params, conventions: RunConventions
+) -> DrafterShape:
     """What speculators builds without an init checkpoint: a Llama layer shaped like the verifier.
 
     Mirrors speculators.train.cli.create_transformer_layer_config on the raw config.json (an MoE
@@ -107,14 +100,15 @@ def drafter_from_verifier(config: dict[str, Any], params: Params, aux: list[int]
         hidden_size=hidden,
         target_vocab_size=int(tc["vocab_size"]),
         draft_vocab_size=params.vocab.draft_vocab_size,
-        aux_layer_ids=aux,
+        aux_layer_ids=conventions.aux_layer_ids,
         intermediate_size=int(tc.get("intermediate_size") or 3 * hidden),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=int(head_dim or hidden // heads),
         attention_bias=False,
         mlp_bias=False,
-        norm_before_fc=TRAINER_NORM_BEFORE_FC,
+        norm_before_fc=conventions.flags["norm_before_fc"],
+        fc_norm=conventions.flags["fc_norm"],
     )
 
 

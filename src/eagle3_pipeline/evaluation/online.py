@@ -3,7 +3,8 @@
 The offline simulation can agree with itself and still disagree with vLLM (layer ids, vocab
 mapping, norm flags, another verifier): only vLLM's own counters show that drafts are accepted.
 The run without speculation is the throughput baseline and, at temperature 0, the reference
-output that speculative decoding must reproduce token for token.
+output that speculative decoding must reproduce: both runs request top-k logprobs, so that a
+divergence can be judged as vLLM judges its own (evaluation/losslessness.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,15 @@ import requests
 
 from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.evaluation import acceptance
-from eagle3_pipeline.serving.chat import ChatClient, ChatReply, Outcome, RequestFailed, complete_all
+from eagle3_pipeline.evaluation import losslessness as lossless
+from eagle3_pipeline.serving.chat import (
+    ChatClient,
+    ChatReply,
+    Outcome,
+    RequestFailed,
+    complete_all,
+    parse_reply,
+)
 from eagle3_pipeline.serving.server import ServerSpec, metrics, serve
 from eagle3_pipeline.serving.server_spec import SERVED_NAME
 
@@ -41,6 +50,8 @@ class Settings:
     request_timeout_s: float = 600.0
     max_retries: int = 4  # transient failures (no answer, 5xx), as chat.py retries them
     served_model_name: str = SERVED_NAME
+    top_logprobs: int = 5  # per generated token, for the losslessness verdict
+    near_tie_nats: float = 0.1  # evaluate.near_tie_nats (params.py)
 
 
 @dataclass
@@ -52,6 +63,7 @@ class RunResult:
     num_tokens: list[int]
     wall_s: float
     counters: dict[str, float]
+    logprobs: list[list[lossless.TokenLogprobs] | None] = field(default_factory=list)
 
     @property
     def output_tokens(self) -> int:
@@ -141,7 +153,8 @@ def settled_counters(url: str, k: int, timeout_s: float = 10.0) -> dict[str, flo
 
 
 def chat_payload(messages: Messages, settings: Settings, max_tokens: int | None = None) -> dict:
-    """Greedy chat request; special tokens kept and token ids returned so outputs compare fully."""
+    """Greedy chat request; special tokens kept, token ids and top-k logprobs (tokens as ids)
+    returned so outputs compare fully."""
     return {
         "model": settings.served_model_name,
         "messages": messages,
@@ -150,23 +163,44 @@ def chat_payload(messages: Messages, settings: Settings, max_tokens: int | None 
         "chat_template_kwargs": settings.chat_template_kwargs,
         "skip_special_tokens": False,
         "return_token_ids": True,
+        "logprobs": True,
+        "top_logprobs": settings.top_logprobs,
+        "return_tokens_as_token_ids": True,
     }
 
 
-Completion = tuple[list[int], str, int]
+@dataclass(frozen=True)
+class ScoredReply(ChatReply):
+    """A chat reply with its generated tokens' logprobs (None: the server sent none)."""
+
+    logprobs: list[lossless.TokenLogprobs] | None = None
+
+
+class ScoringClient(ChatClient):
+    """The chat client, keeping the logprobs that `parse_reply` leaves out."""
+
+    def chat(self, body: dict[str, Any]) -> ScoredReply:
+        response = self.post("/v1/chat/completions", body)
+        reply = parse_reply(response)
+        lp = lossless.parse_logprobs(response["choices"][0])
+        return ScoredReply(**{f.name: getattr(reply, f.name) for f in fields(reply)}, logprobs=lp)
+
+
+Completion = tuple[list[int], str, int, list[lossless.TokenLogprobs] | None]
 
 
 def client(url: str, settings: Settings) -> ChatClient:
-    return ChatClient(url, settings.request_timeout_s, settings.max_retries, stage="evaluate")
+    return ScoringClient(url, settings.request_timeout_s, settings.max_retries, stage="evaluate")
 
 
 def completion(reply: ChatReply, url: str) -> Completion:
-    """(token ids, text, token count); the text is reasoning + content (the server is started
-    without a reasoning parser, so reasoning is normally None)."""
+    """(token ids, text, token count, logprobs); the text is reasoning + content (the server is
+    started without a reasoning parser, so reasoning is normally None)."""
     if reply.completion_tokens is None:
         raise ServerError(f"{url}: a chat completion without usage.completion_tokens")
     text = (reply.reasoning or "") + reply.content
-    return list(reply.token_ids or []), text, reply.completion_tokens
+    logprobs = reply.logprobs if isinstance(reply, ScoredReply) else None
+    return list(reply.token_ids or []), text, reply.completion_tokens, logprobs
 
 
 def complete(chat: ChatClient, payload: dict) -> Completion:
@@ -206,8 +240,8 @@ def measure(url: str, conversations: Sequence[Messages], settings: Settings) -> 
     results, wall = run_prompts(url, conversations, settings)
     after = settled_counters(url, k)
     counters = delta(before, after) | {"spec_decode_enabled": after["spec_decode_enabled"]}
-    ids, texts, counts = (list(x) for x in zip(*results, strict=True))
-    return RunResult(ids, texts, counts, wall, counters)
+    ids, texts, counts, logprobs = (list(x) for x in zip(*results, strict=True))
+    return RunResult(ids, texts, counts, wall, counters, logprobs)
 
 
 Runner = Callable[[ServerSpec, Sequence[Messages], Settings], RunResult]
@@ -251,6 +285,34 @@ def mismatched_prompts(a: RunResult, b: RunResult) -> list[int]:
     ]
 
 
+def verdict(
+    prompt_ids: Sequence[str], baseline: RunResult, spec: RunResult, settings: Settings
+) -> lossless.Verdict:
+    """The losslessness verdict of the two runs (evaluation/losslessness.py)."""
+    n = len(prompt_ids)
+    for run in (baseline, spec):
+        if len(run.token_ids) != n or not all(
+            run.token_ids[i] or not run.texts[i] for i in range(n)
+        ):
+            raise ServerError(
+                "vLLM returned no token_ids for a completion (requested with return_token_ids): "
+                "the outputs cannot be compared token by token"
+            )
+
+    def logprobs(run: RunResult) -> list:
+        return list(run.logprobs) + [None] * (n - len(run.logprobs))
+
+    return lossless.judge(
+        prompt_ids,
+        baseline.token_ids,
+        spec.token_ids,
+        logprobs(baseline),
+        logprobs(spec),
+        settings.near_tie_nats,
+        settings.top_logprobs,
+    )
+
+
 def online_section(baseline: RunResult, spec: RunResult, k: int) -> dict[str, Any]:
     """The `online` block of metrics/eval.json."""
     speedup = spec.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else 0.0
@@ -272,8 +334,10 @@ def evaluate(
     settings: Settings,
     log_dir: Path,
     runner: Runner | None = None,
-) -> tuple[dict[str, Any], list[int]]:
-    """Serve without, then with the drafter; (online section, indices of differing outputs).
+    prompt_ids: Sequence[str] | None = None,
+) -> tuple[dict[str, Any], list[int], lossless.Verdict]:
+    """Serve without, then with the drafter; (online section, indices of differing outputs,
+    losslessness verdict naming prompts by `prompt_ids`, default their indices).
 
     Sequential, never side by side: two servers on the same cores would skew the throughputs.
     `runner` replaces `serve_and_measure` (tests record the servers they start).
@@ -290,4 +354,9 @@ def evaluate(
             f"vLLM was started with the drafter but its /metrics has no {SPEC_PREFIX}* "
             f"counters: speculative decoding is off; see {eagle_spec.log_file}"
         )
-    return online_section(baseline, spec, k), mismatched_prompts(baseline, spec)
+    names = list(prompt_ids) if prompt_ids is not None else [str(i) for i in range(len(spec.texts))]
+    return (
+        online_section(baseline, spec, k),
+        mismatched_prompts(baseline, spec),
+        verdict(names, baseline, spec, settings),
+    )

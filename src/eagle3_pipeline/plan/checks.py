@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3_pipeline import chat_template
-from eagle3_pipeline.drafter.shape import TRAINER_NORM_BEFORE_FC, DrafterShape
+from eagle3_pipeline.drafter.conventions import RunConventions
+from eagle3_pipeline.drafter.shape import DrafterShape
 from eagle3_pipeline.errors import CheckpointError, ParamsError, VerifierError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.plan.inputs import VerifierShape, tokenizer_tokens
@@ -78,40 +79,25 @@ def check_init(
         )
 
 
-def _init_warnings(params: Params, d: DrafterShape, aux: list[int] | None) -> list[str]:
-    """An init checkpoint that loads, but trained on other norms, vocab or features."""
+def _init_warnings(params: Params, d: DrafterShape, run: RunConventions) -> list[str]:
+    """An init checkpoint that loads, but whose vocab or (init_mismatch: allow) features and
+    wiring this run changes."""
     out: list[str] = []
-    if d.norm_before_fc != TRAINER_NORM_BEFORE_FC:
-        out.append(
-            f"the init checkpoint has norm_before_fc={str(d.norm_before_fc).lower()}; export and "
-            f"evaluate expect {str(TRAINER_NORM_BEFORE_FC).lower()} (drafter.SERVING_FLAGS)"
-        )
     if d.draft_vocab_size != params.vocab.draft_vocab_size:
         out.append(
             f"the init checkpoint's draft vocab is {d.draft_vocab_size:,}, vocab.draft_vocab_size "
             f"{params.vocab.draft_vocab_size:,}: its lm_head rows are remapped by target id"
         )
-    if d.aux_layer_ids is not None and aux is not None:
-        if d.legacy_flat:
-            out.append(
-                f"the init checkpoint (legacy flat) lists aux ids {d.aux_layer_ids}; SpecForge and "
-                "SGLang read a flat file's id k as the OUTPUT of layer k, i.e. vLLM's k+1 "
-                f"({[k + 1 for k in d.aux_layer_ids]}); layers.aux_layer_ids is {aux}: fc is "
-                "fine-tuned on the features params name"
-            )
-        elif d.aux_layer_ids != aux:
-            out.append(
-                f"the init checkpoint's fc was trained on aux layers {d.aux_layer_ids}, "
-                f"layers.aux_layer_ids is {aux}: fc is fine-tuned on other features"
-            )
+    out += [
+        f"train.init_mismatch allow: {diff}: the tensors trained on it are retrained"
+        for diff in run.retrained
+    ]
     return out
 
 
-def run_warnings(
-    params: Params, d: DrafterShape, has_init: bool, aux: list[int] | None = None
-) -> list[str]:
+def run_warnings(params: Params, d: DrafterShape, run: RunConventions) -> list[str]:
     """Settings that let the run start but not as the profile intends, in the order met."""
-    out = _init_warnings(params, d, aux) if has_init else []
+    out = _init_warnings(params, d, run) if run.init is not None else []
     t, max_len = params.train, params.tokenize.max_seq_len
     if params.extract.max_tokens_per_batch < max_len:
         out.append(

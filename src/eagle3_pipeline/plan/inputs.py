@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline import verifier as vf
-from eagle3_pipeline.errors import CheckpointError, VerifierError
+from eagle3_pipeline.drafter.conventions import read_init_config
+from eagle3_pipeline.errors import VerifierError
 from eagle3_pipeline.params import Params
 
 
@@ -122,6 +123,4 @@ def load_init_config(params: Params, override: str | Path | None) -> tuple[dict,
     """(config, its file) of the init drafter, or None when the run starts from scratch."""
     if override is None and params.train.init_from is None:
         return None
-    path = _config_file(override if override is not None else params.train.init_from)
-    fix = "download the init drafter's config.json there or pass --init-config PATH"
-    return read_json(path, CheckpointError, fix), path
+    return read_init_config(override if override is not None else params.train.init_from)

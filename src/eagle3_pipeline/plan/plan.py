@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3_pipeline import verifier as vf
+from eagle3_pipeline.drafter import conventions as conv
 from eagle3_pipeline.drafter.shape import (
     DrafterShape,
     ParamGroup,
@@ -35,6 +36,7 @@ class Plan:
     final_layer_id: int
     draft_vocab_size: int
     drafter: DrafterShape
+    conventions: conv.RunConventions
     groups: list[ParamGroup]
     store_bytes_per_token: dict[str, int]
     tokens: estimates.TokenEstimate
@@ -89,14 +91,17 @@ def make_plan(
     v = inputs.verifier_shape(config, str(config_file or f"{where} (verifier.tiny)"))
     vf.check_remote_code(params, config, v.source)
     tokenizer = checks.check_tokenizer(params, config_file)
-    aux, final = resolve_layer_ids(params.layers, v.num_layers, where=where)
+    aux, _ = resolve_layer_ids(params.layers, v.num_layers, where=where)
     checks.check_vocab(params, v.vocab_size, where)
     init = inputs.load_init_config(params, init_config)
     if init is not None:
         drafter = drafter_from_init(*init)
         checks.check_init(drafter, v, params, aux)
-    else:
-        drafter = drafter_from_verifier(config, params, aux)
+    # The rule train, export and evaluate apply: a mismatch with the checkpoint stops here.
+    run = conv.resolve(params, v.num_layers, init, where)
+    aux, final = run.aux_layer_ids, run.final_layer_id
+    if init is None:
+        drafter = drafter_from_verifier(config, params, run)
     groups = parameter_groups(drafter, len(aux), params.train.train_lm_head)
     weights, optimizer = estimates.checkpoint_bytes(groups, drafter)
     estimate = estimates.estimate_tokens(params, tokens, prompts)
@@ -112,6 +117,7 @@ def make_plan(
         final_layer_id=final,
         draft_vocab_size=params.vocab.draft_vocab_size,
         drafter=drafter,
+        conventions=run,
         groups=groups,
         store_bytes_per_token=estimates.store_bytes_per_token(len(aux) + 1, v.hidden_size),
         tokens=estimate,
@@ -124,5 +130,5 @@ def make_plan(
         epochs=params.train.epochs,
         keep_last=params.train.keep_last,
         max_tokens_per_batch=params.train.max_tokens_per_batch,
-        warnings=checks.run_warnings(params, drafter, init is not None, aux),
+        warnings=checks.run_warnings(params, drafter, run),
     )

@@ -39,12 +39,21 @@ def _verifier_lines(p: Plan) -> list[str]:
         _row("tokenizer", p.tokenizer),
         _row("layer ids", f"aux {p.aux_layer_ids} + final {p.final_layer_id} (vLLM convention)"),
         _row("", f"distinct, aux in 0..{v.num_layers - 1}, final = num_hidden_layers: ok"),
+        *_init_ids_line(p),
         _row(
             "vocab",
             f"draft {p.draft_vocab_size:,} of target {v.vocab_size:,} "
             f"({p.draft_vocab_size / v.vocab_size:.1%}): ok",
         ),
     ]
+
+
+def _init_ids_line(p: Plan) -> list[str]:
+    init = p.conventions.init
+    if init is None or init.aux_layer_ids is None:
+        return []
+    same = "same" if init.vllm_aux_layer_ids == p.aux_layer_ids else "DIFFERENT (retrained)"
+    return [_row("", f"init checkpoint's fc trained on {init.describe_ids()}: {same}")]
 
 
 def _drafter_lines(p: Plan) -> list[str]:
@@ -57,6 +66,7 @@ def _drafter_lines(p: Plan) -> list[str]:
             f"{d.num_key_value_heads} kv heads, intermediate {d.intermediate_size:,}, "
             f"norm_before_fc {str(d.norm_before_fc).lower()}",
         ),
+        _row("wiring", p.conventions.describe()),
         _row(
             "params",
             f"total {_m(p.total_params)} = trainable {_m(p.trainable_params)} "

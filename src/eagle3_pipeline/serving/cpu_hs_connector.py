@@ -1,11 +1,19 @@
-"""A CPU-only variant of vLLM's ExampleHiddenStatesConnector, loaded by vLLM by module path.
+"""vLLM's ExampleHiddenStatesConnector, made to report failed writes; and a CPU-only variant.
+
+Loaded by vLLM by module path. The stock connector writes each file in place and, when the write
+fails (disk full, I/O error), only logs it: the file never appears (or appears torn) and the
+reader waits for its full timeout. `ReportingHiddenStatesConnector` writes to `<file>.part`,
+renames it when complete, and on failure renames the request's `.lock` file (already on disk, so
+no new block is needed on a full disk) to `<file>.failed-<errno>` before releasing it: the reader
+(serving/hidden_states.py) sees the OS's reason at once. GPU runs use it as is.
 
 vLLM 0.32's stock connector copies the hidden states to the host through CUDA streams and
 `torch.empty_like(..., pin_memory=True)`, which on a CPU-only torch kills the engine with
-`RuntimeError: pin_memory=True requires a CUDA or other accelerator backend`. This subclass
-replaces only that copy: a plain CPU gather, written to disk on the connector's thread pool, with
-an "event" that is already done. Everything else (file names, lock files, token ids) is the stock
-behaviour, so readers written for the stock connector read our files too.
+`RuntimeError: pin_memory=True requires a CUDA or other accelerator backend`.
+CPUHiddenStatesConnector replaces only that copy: a plain CPU gather, written to disk on the
+connector's thread pool, with an "event" that is already done. Everything else (file names,
+lock files, token ids) is the stock behaviour, so readers written for the stock connector read
+our files too.
 
 Used through kv_transfer_config: {"kv_connector": "CPUHiddenStatesConnector",
 "kv_connector_module_path": "eagle3_pipeline.serving.cpu_hs_connector", ...}. Imports vLLM: only
@@ -14,14 +22,20 @@ vLLM (and code that already imported vLLM) should import this module.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import os
+import re
 from functools import partial
 
 import torch
+from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as _eh
 
 CONNECTOR_NAME = "CPUHiddenStatesConnector"
+GPU_CONNECTOR_NAME = "ReportingHiddenStatesConnector"
+FAILED_SUFFIX = ".failed-"  # <file>.failed-<errno>: the write of <file> failed with that errno
 
 
 class _DoneEvent:
@@ -34,8 +48,54 @@ class _DoneEvent:
         return None
 
 
-class CPUHiddenStatesConnector(_eh.ExampleHiddenStatesConnector):
-    """ExampleHiddenStatesConnector without CUDA streams or pinned memory."""
+def _errno_of(exc: BaseException) -> int:
+    """safetensors reports `I/O error: No space left on device (os error 28)` as text only."""
+    if isinstance(exc, OSError) and exc.errno:
+        return exc.errno
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    return int(found.group(1)) if found else errno.EIO
+
+
+def write_or_report(tensors: dict[str, torch.Tensor], filename: str, lock_fd: int | None) -> None:
+    """Write `filename` whole (temp + rename) or leave `<filename>.failed-<errno>`; then unlock."""
+    part = filename + ".part"
+    try:
+        save_file(tensors, part)
+        os.replace(part, filename)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(part)
+        code = _errno_of(exc)
+        failed = f"{filename}{FAILED_SUFFIX}{code}"
+        try:
+            os.replace(filename + ".lock", failed)  # a rename: no new block on a full disk
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.close(os.open(failed, os.O_CREAT | os.O_WRONLY, 0o644))
+        raise
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)  # releases LOCK_EX
+
+
+class ReportingHiddenStatesConnector(_eh.ExampleHiddenStatesConnector):
+    """The stock connector; a failed write leaves a marker the reader turns into an error."""
+
+    @staticmethod
+    def _write_tensors(
+        tensors: dict[str, torch.Tensor], event, filename: str, lock_fd: int | None
+    ) -> None:
+        try:
+            event.synchronize()
+        except BaseException:
+            if lock_fd is not None:
+                os.close(lock_fd)
+            raise
+        write_or_report(tensors, filename, lock_fd)
+
+
+class CPUHiddenStatesConnector(ReportingHiddenStatesConnector):
+    """ReportingHiddenStatesConnector without CUDA streams or pinned memory."""
 
     def _slot_mapping(self, block_ids: list[int]) -> torch.Tensor:
         blocks = torch.tensor(block_ids, dtype=torch.long)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
+import glob
 import os
 import shutil
 import time
@@ -31,10 +32,11 @@ from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.errors import DataError, VerifierError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
+from eagle3_pipeline.serving import cpu_patches
 from eagle3_pipeline.serving.server import patch_cpu_kernel_rebind, server_env
 from eagle3_pipeline.serving.server_spec import model_args
 
-GPU_CONNECTOR = "ExampleHiddenStatesConnector"
+FAILED_SUFFIX = ".failed-"  # cpu_hs_connector.FAILED_SUFFIX, without importing vLLM
 _VLLM_DTYPES = {"float32", "bfloat16", "float16"}
 
 
@@ -60,19 +62,20 @@ def engine_dtype(config: dict[str, Any]) -> str:
 
 
 def connector_config(storage_dir: Path) -> dict[str, Any]:
-    """Stock connector on GPU; on CPU ours (the stock one pins memory and kills the engine)."""
-    config: dict[str, Any] = {
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": str(storage_dir.resolve())},
-    }
-    if torch.cuda.is_available():
-        return config | {"kv_connector": GPU_CONNECTOR}
+    """Our connector (cpu_hs_connector.py), loaded by vLLM by module path: on GPU the stock one
+    that reports failed writes, on CPU a variant without pinned memory (the stock one pins memory
+    and kills the engine)."""
     from eagle3_pipeline.serving import (
         cpu_hs_connector,  # imports vLLM; vLLM loads it again by name
     )
 
-    return config | {
-        "kv_connector": cpu_hs_connector.CONNECTOR_NAME,
+    gpu = torch.cuda.is_available()
+    return {
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage_dir.resolve())},
+        "kv_connector": cpu_hs_connector.GPU_CONNECTOR_NAME
+        if gpu
+        else cpu_hs_connector.CONNECTOR_NAME,
         "kv_connector_module_path": cpu_hs_connector.__name__,
     }
 
@@ -176,6 +179,14 @@ def _hidden_states_path(output) -> str:
     return path
 
 
+def write_failure(path: str) -> OSError | None:
+    """The connector's failed write of `path` (its `.failed-<errno>` marker), if any."""
+    for marker in glob.glob(glob.escape(path) + FAILED_SUFFIX + "*"):
+        code = int(marker.rsplit("-", 1)[1])
+        return OSError(code, os.strerror(code), path)
+    return None
+
+
 def _written(path: str) -> bool:
     """The file exists and its writer released the `.lock` beside it (stock protocol)."""
     if not os.path.exists(path):
@@ -207,6 +218,7 @@ class HiddenStateEngine:
         clear_dir(storage_dir)
         log("extract", f"starting vLLM (extract_hidden_states, layer ids {layer_ids})")
         patch_cpu_kernel_rebind()
+        cpu_patches.patch_in_process(params.verifier.path)  # MLA on CPU: the rope fix
         with _engine_env():
             self.llm = LLM(**engine_kwargs(params, layer_ids, storage_dir))
 
@@ -225,9 +237,13 @@ class HiddenStateEngine:
         The connector writes a request's file one or two engine steps AFTER the request
         finished. A server keeps stepping; an in-process engine only steps inside generate(),
         which has already returned, so waiting on the file's lock alone would wait forever.
+        A failed write (disk full) raises the OS's error at once, not at the timeout.
         """
         deadline = time.monotonic() + self.write_timeout_s
         while not all(_written(p) for p in paths):
+            for p in paths:
+                if not _written(p) and (failed := write_failure(p)) is not None:
+                    raise failed  # the OS's reason, now: extract adds the mount and free space
             if time.monotonic() > deadline:
                 raise VerifierError(
                     f"vLLM did not write hidden states within {self.write_timeout_s:.0f} s "

@@ -7,7 +7,8 @@ started under a small watchdog (`python -m eagle3_pipeline.serving.server --watc
 that kills the group when its stdin, a pipe only the stage holds, closes: no server is ever left
 behind.
 The server itself is started through `python -m eagle3_pipeline.serving.server --run MODULE`, which
-applies `patch_cpu_kernel_rebind` before vLLM's own entry point runs (see there why).
+applies `patch_cpu_kernel_rebind` and, where needed, `cpu_patches` before vLLM's own entry point
+runs (see there why).
 """
 
 from __future__ import annotations
@@ -288,9 +289,13 @@ def metrics(url: str) -> dict[str, float]:
 
 
 def _run_vllm(module: str, args: list[str]) -> None:
-    """vLLM's entry point `module` with `args`, after the CPU patch (vLLM forks its engine and
-    workers, which inherit it)."""
+    """vLLM's entry point `module` with `args`, after the CPU patches: the kernel rebind (the
+    scan runs in this process) and, only for an MLA verifier with a drafter on CPU, the
+    block-size pairing of `cpu_patches` (which also reaches the spawned workers)."""
+    from eagle3_pipeline.serving import cpu_patches
+
     patch_cpu_kernel_rebind()
+    args = cpu_patches.server_args_with_patches(args)
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

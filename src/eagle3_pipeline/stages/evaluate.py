@@ -1,4 +1,5 @@
-"""Stage `evaluate`: simulated acceptance of the trained drafter vs an untrained one, on val,
+"""Stage `evaluate`: simulated acceptance of the trained drafter vs an untrained one (and, with
+`train.init_from`, the init checkpoint as published, read with its own conventions), on val,
 and (evaluate.online) vLLM's real acceptance and throughput with and without the drafter.
 
 The untrained drafter (same shape, same vocab, random weights) is the floor: a trained drafter
@@ -14,10 +15,11 @@ from typing import Any
 from eagle3_pipeline import atomic, paths
 from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.drafter import load as drafter
+from eagle3_pipeline.drafter.conventions import run_conventions
 from eagle3_pipeline.errors import DataError, ServerError, StoreError
 from eagle3_pipeline.evaluation import offline
 from eagle3_pipeline.evaluation import online as online_eval
-from eagle3_pipeline.layer_ids import resolve_layer_ids
+from eagle3_pipeline.evaluation.losslessness import Verdict
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
 from eagle3_pipeline.serving.server_spec import verifier_spec
@@ -38,7 +40,8 @@ MISMATCH_CAUSES = (
 
 def run(params: Params) -> None:
     config = vf.text_config(vf.read_config(params.verifier.path))
-    aux, final = resolve_layer_ids(params.layers, int(config["num_hidden_layers"]))
+    conventions = run_conventions(params, int(config["num_hidden_layers"]))
+    aux, final = conventions.aux_layer_ids, conventions.final_layer_id
     manifest = store.read_manifest(STORE_DIR)
     store.check_layout(manifest, aux, final, STORE_DIR)
     val = {sid: e for sid, e in manifest["samples"].items() if e["split"] == "val"}
@@ -52,6 +55,9 @@ def run(params: Params) -> None:
             DRAFTER_DIR, params.verifier.path, d2t, t2d, params.train.seed
         ),
     }
+    if params.train.init_from:
+        # No fine-tuning: did training help, or would the published drafter do as well?
+        models["init"] = drafter.load_drafter(params.train.init_from, params.verifier.path)
     head = offline.VerifierHead(params.verifier.path, float(config.get("rms_norm_eps", 1e-6)))
     counts = {name: offline.AcceptanceCounts(k) for name in models}
     progress = Progress(STAGE, len(val), unit="samples")
@@ -72,26 +78,34 @@ def run(params: Params) -> None:
         "offline_gain": simulated["trained"]["mean_acceptance_length"]
         - simulated["untrained"]["mean_acceptance_length"],
     }
+    if "init" in simulated:
+        result["init_from"] = params.train.init_from
+        result["offline_gain_over_init"] = (
+            simulated["trained"]["mean_acceptance_length"]
+            - simulated["init"]["mean_acceptance_length"]
+        )
     tr, un = simulated["trained"], simulated["untrained"]
     log(
         STAGE,
         f"drafter {DRAFTER_DIR}: simulated mean acceptance length "
-        f"{tr['mean_acceptance_length']:.3f} (untrained {un['mean_acceptance_length']:.3f}), "
+        f"{tr['mean_acceptance_length']:.3f} (untrained {un['mean_acceptance_length']:.3f}"
+        + (
+            f", init checkpoint {simulated['init']['mean_acceptance_length']:.3f}"
+            if "init" in simulated
+            else ""
+        )
+        + "), "
         f"acceptance rate {tr['acceptance_rate']:.1%} "
         f"over {tr['num_drafts']} drafts of {k} tokens on {len(val)} val samples",
     )
-    mismatched: list[str] = []
+    verdict: Verdict | None = None
     if params.evaluate.online:
-        section, mismatched = run_online(params)
-        result |= online_verdict(section, tr["mean_acceptance_length"], mismatched, params)
+        section, mismatched, verdict = run_online(params)
+        result |= online_verdict(section, tr["mean_acceptance_length"], mismatched, params, verdict)
     atomic.write_json(METRICS, result)
     log(STAGE, f"-> {METRICS}")
-    if mismatched:
-        raise ServerError(
-            f"greedy outputs with the drafter differ from those without it on "
-            f"{len(mismatched)} of {result['online']['num_prompts']} val prompts (first: "
-            f"{mismatched[0]}): speculative decoding is not lossless here; logs in {WORK_DIR}"
-        )
+    if verdict is not None:
+        require_lossless(verdict)
 
 
 def val_conversations(limit: int) -> list[dict[str, Any]]:
@@ -104,8 +118,23 @@ def val_conversations(limit: int) -> list[dict[str, Any]]:
     return rows
 
 
-def run_online(params: Params) -> tuple[dict[str, Any], list[str]]:
-    """Serve the verifier without, then with the drafter; (online section, differing ids)."""
+def require_lossless(verdict: Verdict) -> None:
+    """The run's error when greedy outputs diverged where the baseline was sure."""
+    if verdict.passed:
+        return
+    first = verdict.diverged[0]
+    raise ServerError(
+        f"greedy outputs with the drafter diverge from those without it where the baseline "
+        f"was sure, on {len(verdict.diverged)} of {verdict.num_prompts} val prompts (first: "
+        f"{first.describe()}; only near ties up to evaluate.near_tie_nats="
+        f"{verdict.near_tie_nats} pass): speculative decoding is not lossless here; logs "
+        f"in {WORK_DIR}"
+    )
+
+
+def run_online(params: Params) -> tuple[dict[str, Any], list[str], Verdict]:
+    """Serve the verifier without, then with the drafter; (online section, differing ids,
+    losslessness verdict)."""
     e = params.evaluate
     rows = val_conversations(e.max_eval_prompts)
     settings = online_eval.Settings(
@@ -114,13 +143,20 @@ def run_online(params: Params) -> tuple[dict[str, Any], list[str]]:
         # Both runs use it, so the ratio is fair; 1 = the latency a single user sees.
         concurrency=params.evaluate.concurrency,
         chat_template_kwargs=dict(params.generate.chat_template_kwargs),
+        top_logprobs=e.top_logprobs,
+        near_tie_nats=e.near_tie_nats,
     )
     # No reasoning parser: the whole completion (reasoning included) is what the runs compare.
     base = verifier_spec(params, WORK_DIR / "vllm.log")
-    section, differing = online_eval.evaluate(
-        base, DRAFTER_DIR, [r["messages"] for r in rows], settings, WORK_DIR
+    section, differing, verdict = online_eval.evaluate(
+        base,
+        DRAFTER_DIR,
+        [r["messages"] for r in rows],
+        settings,
+        WORK_DIR,
+        prompt_ids=[r["id"] for r in rows],
     )
-    return section, [rows[i]["id"] for i in differing]
+    return section, [rows[i]["id"] for i in differing], verdict
 
 
 def is_mismatch(online_mal: float, offline_mal: float, ratio: float) -> bool:
@@ -129,9 +165,13 @@ def is_mismatch(online_mal: float, offline_mal: float, ratio: float) -> bool:
 
 
 def online_verdict(
-    section: dict[str, Any], offline_mal: float, mismatched: list[str], params: Params
+    section: dict[str, Any],
+    offline_mal: float,
+    mismatched: list[str],
+    params: Params,
+    verdict: Verdict | None = None,
 ) -> dict[str, Any]:
-    """eval.json keys of the online run; logs one summary line and, if needed, one warning."""
+    """eval.json keys of the online run; logs summary lines and, if needed, one warning."""
     mal = section["mean_acceptance_length"]
     mismatch = is_mismatch(mal, offline_mal, params.evaluate.mismatch_ratio)
     log(
@@ -149,4 +189,16 @@ def online_verdict(
             f"{MISMATCH_CAUSES}: compare {DRAFTER_DIR}/config.json with the served verifier",
         )
     section = section | {"greedy_mismatched_ids": mismatched[:20]}
-    return {"online": section, "greedy_outputs_identical": not mismatched, "mismatch": mismatch}
+    out = {"online": section, "greedy_outputs_identical": not mismatched, "mismatch": mismatch}
+    if verdict is not None:
+        out["lossless"] = verdict.section()
+        near = verdict.near_ties
+        log(
+            STAGE,
+            f"losslessness: {verdict.outcome} (identical on "
+            f"{out['lossless']['num_identical']}, near ties on {len(near)}, diverged on "
+            f"{len(verdict.diverged)} of {verdict.num_prompts} prompts; top-"
+            f"{verdict.top_logprobs} logprobs, near tie <= {verdict.near_tie_nats} nats)"
+            + (f"; first near tie: {near[0].describe()}" if near else ""),
+        )
+    return out

@@ -3,7 +3,8 @@
 `export.format: speculators` (default) writes speculators' own layout, which vLLM auto-detects;
 `flat` writes the legacy EAGLE-3 layout (flat_format.py) that SGLang and older vLLM load, its
 aux-layer ids in the convention of `export.server`. Config flags are written once, here, from
-the same params the trainer used; the verifier is named by the params' identity (hub id or
+the run's conventions (drafter.conventions: params + the init checkpoint, the trainer's source),
+checked against what speculators saved; the verifier is named by the params' identity (hub id or
 repo-relative path); a verifier named apart from its folder also records the folder it was built
 from (`verifier.path`, which may be absolute: it is where the user keeps the model).
 """
@@ -20,8 +21,8 @@ from eagle3_pipeline import atomic, paths
 from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.drafter import flat_format
 from eagle3_pipeline.drafter import load as drafter
+from eagle3_pipeline.drafter.conventions import FLAGS, run_conventions
 from eagle3_pipeline.errors import CheckpointError
-from eagle3_pipeline.layer_ids import resolve_layer_ids
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
 
@@ -33,10 +34,13 @@ OUTPUT_DIR = paths.DRAFTER
 
 def run(params: Params) -> None:
     n_layers, _, _ = vf.shape(vf.read_config(params.verifier.path))
-    aux, final = resolve_layer_ids(params.layers, n_layers)
+    conventions = run_conventions(params, n_layers)
+    aux, final = conventions.aux_layer_ids, conventions.final_layer_id
     ident = vf.identity(params)
     fmt, server = params.export.format, params.export.server
-    expected = drafter.expected_config(aux, params.vocab.draft_vocab_size, params.verifier.path)
+    expected = drafter.expected_config(
+        conventions, params.vocab.draft_vocab_size, params.verifier.path
+    )
     drafter.check_config(INPUT_DIR, expected)
     # The name is what vLLM and a model card show; the folder is what the drafter was built from.
     built_from = (
@@ -57,6 +61,8 @@ def run(params: Params) -> None:
             config = json.loads((INPUT_DIR / "config.json").read_text())
             config.pop("auto_map", None)  # speculators' class is registered; no remote code
             config["speculators_config"]["verifier"]["name_or_path"] = ident["name_or_path"]
+            # Every flag explicit: vLLM reads an absent norm_before_residual as true.
+            config |= {k: conventions.flags[k] for k in FLAGS}
             config["eagle3_pipeline"] = record
             shutil.copy2(INPUT_DIR / "model.safetensors", tmp / "model.safetensors")
             atomic.write_json(tmp / "config.json", config)

@@ -9,7 +9,11 @@ file it reuses is re-hashed first (a damaged one is extracted again, never publi
 `--shard i/n` extracts batches i, i+n, ... of the same plan into the same scratch folder (shared
 storage across nodes), each worker with its own journal; a plain run then reuses every shard's
 intact files, extracts whatever is still missing and publishes one store and one manifest. Before
-any work, a pre-flight compares the bytes still to write with the free space of that disk.
+any work, a pre-flight compares the bytes still to write with the free space of that disk, and
+says whether scratch and store share a filesystem (publish by hardlink) or not (publish by copy,
+fsynced; the store's disk must then hold it all). A write that fails anyway (disk full, in our
+writer or in vLLM's connector) ends the stage at once with the OS's reason, the mount, its free
+space and what is still to write (disk.py); the journal keeps what was complete.
 
 Backends (extract.backend) differ only in how a batch's hidden states are computed: `hf` runs the
 transformers model with hooks (LayerCapture), `vllm` asks vLLM's `extract_hidden_states` method
@@ -26,13 +30,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3_pipeline import atomic, paths, resume
+from eagle3_pipeline import atomic, disk, paths, resume
 from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.errors import DataError, StoreError
 from eagle3_pipeline.layer_ids import resolve_layer_ids
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
 from eagle3_pipeline.store import format as store
+from eagle3_pipeline.store import names
 
 if TYPE_CHECKING:
     import torch
@@ -234,17 +239,37 @@ def reusable_entries(work: Path, wanted: set[str]) -> dict[str, dict]:
     return good
 
 
-def preflight(where: Path, num_tokens: int, layout: store.StoreLayout, headroom_gb: float) -> None:
-    """Refuse to start when the store's filesystem cannot hold what is left to write."""
-    need = num_tokens * layout.file_bytes_per_token() + headroom_gb * 1e9
-    free = shutil.disk_usage(where).free
-    if need > free:
+def preflight(
+    work: Path, num_tokens: int, store_tokens: int, layout: store.StoreLayout, headroom_gb: float
+) -> str:
+    """Refuse to start when a filesystem cannot hold what is left to write; say the layout.
+
+    Scratch and output on one filesystem: publishing hardlinks, so only the tokens still to
+    extract need room. On two (scratch on local NVMe, the store on shared storage): publishing
+    copies the whole store to the output's filesystem, which must hold it too.
+    """
+    if os.path.ismount(OUTPUT_DIR):
         raise StoreError(
-            f"{where}: extract needs {need / 1e9:,.1f} GB ({num_tokens:,} tokens x "
-            f"{layout.file_bytes_per_token():,} B/token + extract.disk_headroom_gb="
-            f"{headroom_gb:g}) but the disk has {free / 1e9:,.1f} GB free: free space, put data/ "
-            "on a larger disk, or set extract.store_dtype: fp8 (about half the bytes)"
+            f"{OUTPUT_DIR} is a mount point, but the store is replaced whole by a rename beside "
+            f"it: mount that filesystem at {OUTPUT_DIR.parent} (or above) instead"
         )
+    per = layout.file_bytes_per_token()
+    needs = [(work, num_tokens, f"{num_tokens:,} tokens")]
+    if not disk.same_filesystem(work, OUTPUT_DIR.parent):
+        needs.append(
+            (OUTPUT_DIR.parent, store_tokens, f"the whole store, {store_tokens:,} tokens,")
+        )
+    for where, tokens, what in needs:
+        need = tokens * per + headroom_gb * 1e9
+        free = shutil.disk_usage(disk.existing(where)).free
+        if tokens and need > free:
+            raise StoreError(
+                f"{where}: extract needs {need / 1e9:,.1f} GB ({what} x {per:,} B/token + "
+                f"extract.disk_headroom_gb={headroom_gb:g}) but the disk has {free / 1e9:,.1f} GB "
+                "free: free space, put data/ on a larger disk, or set extract.store_dtype: fp8 "
+                "(about half the bytes)"
+            )
+    return disk.layout(work, OUTPUT_DIR)
 
 
 def padding_fraction(batches: list[list[str]], lengths: dict[str, int]) -> float:
@@ -264,6 +289,7 @@ def run(params: Params, shard: tuple[int, int] | None = None) -> None:
         for split in ("train", "val")
         for r in atomic.read_jsonl(INPUT_DIR / f"{split}.jsonl")
     }
+    names.check_unique(list(rows), str(INPUT_DIR))
     layout = store.StoreLayout(aux, final, hidden, params.extract.store_dtype, vf.identity(params))
     key = resume.fingerprint(
         layout.__dict__,
@@ -297,12 +323,29 @@ def run(params: Params, shard: tuple[int, int] | None = None) -> None:
         from eagle3_pipeline.serving.hidden_states import check_prompt_lengths
 
         check_prompt_lengths({i: lengths[i] for b in todo for i in b}, params.vllm.max_model_len)
+    left = set(missing)  # not yet written: what a failed write still needs room for
+    log(
+        STAGE,
+        preflight(
+            work,
+            sum(lengths[s] for s in missing),
+            sum(lengths.values()) if shard is None else 0,  # shards do not publish
+            layout,
+            params.extract.disk_headroom_gb,
+        ),
+    )
+
+    def still_needed() -> float:
+        return sum(lengths[s] for s in left) * layout.file_bytes_per_token()
+
     if todo:
-        preflight(work, sum(lengths[s] for s in missing), layout, params.extract.disk_headroom_gb)
         progress = Progress(STAGE, total_tokens, unit="tok", already_done=done_tokens)
         journal = resume.Journal(work / journal_name(shard))
         backend_dir = work if shard is None else work / f"shard-{shard[0]}-of-{shard[1]}"
-        with open_backend(params, layout.layer_ids, backend_dir) as run_batch:
+        with (
+            disk.guard(STAGE, work, still_needed),
+            open_backend(params, layout.layer_ids, backend_dir) as run_batch,
+        ):
             for batch in todo:
                 ids = [rows[i]["input_ids"] for i in batch]
                 new = write_batch(
@@ -310,6 +353,7 @@ def run(params: Params, shard: tuple[int, int] | None = None) -> None:
                 )
                 journal.append(new)
                 entries.update({e["id"]: e for e in new})
+                left.difference_update(batch)
                 progress.advance(sum(lengths[i] for i in batch if i in missing))
     if shard is not None:
         log(
@@ -318,7 +362,9 @@ def run(params: Params, shard: tuple[int, int] | None = None) -> None:
             "`eagle3 extract` (or `dvc repro extract`) merges them into the store",
         )
         return
-    _publish(work, rows, entries, layout)
+    store_bytes = sum(lengths.values()) * layout.file_bytes_per_token()
+    with disk.guard(STAGE, OUTPUT_DIR.parent, lambda: store_bytes):
+        _publish(work, rows, entries, layout)
     gb = sum(lengths.values()) * layout.bytes_per_token() / 1e9
     log(
         STAGE,
@@ -330,19 +376,16 @@ def run(params: Params, shard: tuple[int, int] | None = None) -> None:
 def _publish(work: Path, rows: dict, entries: dict[str, dict], layout: store.StoreLayout) -> None:
     """Move the scratch files into the output whole, then forget the scratch work.
 
-    Files are hardlinked into the new output and unlinked from scratch only after the output is
-    in place, so a kill at any moment leaves either the old store or the new one, and the
-    scratch work to rebuild it.
+    Files are hardlinked into the new output (copied and fsynced when scratch is on another
+    filesystem) and unlinked from scratch only after the output is in place, so a kill or a
+    failed write at any moment leaves either the old store or the new one, and the scratch work
+    to rebuild it.
     """
-    for stale in OUTPUT_DIR.parent.glob(f".{OUTPUT_DIR.name}.*.tmp"):  # a killed publish
-        shutil.rmtree(stale, ignore_errors=True)
+    atomic.sweep_temps(OUTPUT_DIR)  # a killed publish
     with atomic.replace_dir(OUTPUT_DIR) as tmp:
         for sid in rows:
             name = entries[sid]["file"]
-            try:
-                os.link(work / name, tmp / name)
-            except OSError:  # a filesystem without hardlinks: move instead
-                os.replace(work / name, tmp / name)
+            atomic.link_or_copy(work / name, tmp / name)
         store.write_manifest(
             tmp, layout, {sid: {k: v for k, v in entries[sid].items() if k != "id"} for sid in rows}
         )

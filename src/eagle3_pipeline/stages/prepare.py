@@ -14,6 +14,7 @@ from eagle3_pipeline import atomic, conversations, paths
 from eagle3_pipeline.errors import DataError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
+from eagle3_pipeline.store import names
 
 STAGE = "prepare"
 OUTPUT_DIR = paths.PREPARED
@@ -27,6 +28,7 @@ def is_val(sample_id: str, val_ratio: float) -> bool:
 
 def run(params: Params) -> None:
     rows = conversations.load(Path(params.prepare.prompts), params.prepare.trailing_assistant)
+    names.check_unique([r["id"] for r in rows], params.prepare.prompts)  # store file names
     rows.sort(key=lambda r: r["id"])
     if params.prepare.max_prompts:
         rows = rows[: params.prepare.max_prompts]

@@ -19,10 +19,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_pipeline import atomic, paths, resume
+from eagle3_pipeline import atomic, disk, paths, resume
 from eagle3_pipeline import verifier as vf
+from eagle3_pipeline.drafter.conventions import RunConventions, run_conventions
 from eagle3_pipeline.errors import ParamsError, StoreError
-from eagle3_pipeline.layer_ids import resolve_layer_ids
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
 from eagle3_pipeline.store import format as store
@@ -48,11 +48,18 @@ CHECKPOINT_FILES = ("config.json", "model.safetensors")
 class TrainInputs:
     """What every process of one run derives alike from params and the stage's inputs."""
 
-    aux: list[int]
-    final: int
+    conventions: RunConventions
     samples: list[TrainingSample]
     n_train: int
     work: Path
+
+    @property
+    def aux(self) -> list[int]:
+        return self.conventions.aux_layer_ids
+
+    @property
+    def final(self) -> int:
+        return self.conventions.final_layer_id
 
     @property
     def data_dir(self) -> Path:
@@ -89,18 +96,21 @@ def run(params: Params) -> None:
         + (f"; resuming after epoch {done}" if done is not None else "")
         + (f" (discarded incomplete: {', '.join(removed)})" if removed else ""),
     )
+    log(STAGE, f"drafter wiring: {inputs.conventions.describe()}")
     trim_live(inputs.live_dir, inputs.save_dir)
-    if t.nproc > 1:
-        _launch(params, inputs)
-    else:
-        _train(params, inputs)
+    with disk.guard(STAGE, inputs.save_dir):  # a checkpoint write that fails: OS reason, mount
+        if t.nproc > 1:
+            _launch(params, inputs)
+        else:
+            _train(params, inputs)
     _publish(params, inputs)
 
 
 def _inputs(params: Params) -> TrainInputs:
     t = params.train
     n_layers, _, _ = vf.shape(vf.read_config(params.verifier.path))
-    aux, final = resolve_layer_ids(params.layers, n_layers)
+    conventions = run_conventions(params, n_layers)
+    aux, final = conventions.aux_layer_ids, conventions.final_layer_id
     manifest = store.read_manifest(paths.HIDDEN_STATES)
     store.check_layout(manifest, aux, final, paths.HIDDEN_STATES)
     # Never train on a damaged file: DVC's hardlinked cache would not notice one changed in place.
@@ -110,6 +120,8 @@ def _inputs(params: Params) -> TrainInputs:
         # Knobs that cannot change the weights do not restart a run.
         t.model_dump(exclude={"log_every_steps", "num_workers", "keep_last"}),
         aux,
+        conventions.flags,
+        conventions.layer_config,
         params.vocab.draft_vocab_size,
         resume.file_sha256(paths.HIDDEN_STATES / store.MANIFEST),
         resume.file_sha256(paths.VOCAB / "d2t.npy"),
@@ -117,7 +129,7 @@ def _inputs(params: Params) -> TrainInputs:
         # Other weights at the same path start over (stamp: names, sizes, mtimes; no hashing).
         vf.files_stamp(t.init_from) if t.init_from and Path(t.init_from).is_dir() else None,
     )
-    return TrainInputs(aux, final, samples, n_train, resume.scratch_dir(STAGE, key))
+    return TrainInputs(conventions, samples, n_train, resume.scratch_dir(STAGE, key))
 
 
 def _samples(manifest: dict) -> tuple[list[TrainingSample], int]:
@@ -150,7 +162,7 @@ def _train(params: Params, inputs: TrainInputs) -> None:
         verifier_dir=Path(params.verifier.path),
         vocab_dir=paths.VOCAB,
         draft_vocab_size=params.vocab.draft_vocab_size,
-        target_layer_ids=inputs.aux,
+        conventions=inputs.conventions,
         train_data_ratio=train_data_ratio_for(inputs.n_train, len(inputs.samples)),
     )
     if int(os.environ.get("RANK", "0")) != 0:  # only rank 0 logs metrics and writes DVCLive

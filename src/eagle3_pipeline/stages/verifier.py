@@ -292,6 +292,49 @@ def _train(model, stream: list[int], tiny: TinyVerifierParams, seed: int) -> tup
     return first, last
 
 
+PROBE_MAX_NEW_TOKENS = 96  # generate.max_new_tokens of the tiny profiles
+
+
+def answer_zlib_ratio(text: str) -> float:
+    """UTF-8 bytes over zlib-compressed bytes: ~1.5 for prose, far higher for loops."""
+    import zlib
+
+    raw = text.encode()
+    return len(raw) / len(zlib.compress(raw, 9)) if raw else 1.0
+
+
+def probe_answers(model, tokenizer, chats: list[dict], n: int) -> dict:
+    """How repetitive the verifier's own greedy answers are, on the first `n` corpus questions
+    asked as the generate stage asks them (thinking on): a looping verifier makes a drafter
+    look good for the wrong reason (it learns to copy the loop)."""
+    import torch
+
+    ratios = []
+    for row in chats[:n]:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["question"]}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )["input_ids"]
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                max_new_tokens=PROBE_MAX_NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        ratios.append(answer_zlib_ratio(tokenizer.decode(out[0, ids.shape[1] :])))
+    if not ratios:
+        raise DataError("verifier.tiny.probe_answers > 0 needs chat rows in the corpus")
+    return {
+        "probe_answers": len(ratios),
+        "answer_zlib_ratio_mean": sum(ratios) / len(ratios),
+        "answer_zlib_ratio_max": max(ratios),
+    }
+
+
 def _token_stream(tokenizer, texts: list[str], chats: list[dict], seed: int) -> list[int]:
     docs = [t + tokenizer.eos_token for t in texts]
     docs += [tokenizer.apply_chat_template(_chat_messages(c), tokenize=False) for c in chats]
@@ -328,7 +371,16 @@ def build_tiny(params: Params, out_dir: Path) -> dict:
     else:
         model.save_pretrained(out_dir, safe_serialization=True)  # fp32: fastest on CPU
     tokenizer.save_pretrained(out_dir)
-    return {"loss_first": first, "loss_last": last, "corpus_tokens": len(stream)}
+    probe: dict = {}
+    if tiny.probe_answers:
+        probe = probe_answers(model, tokenizer, chats, tiny.probe_answers)
+        log(
+            STAGE,
+            f"greedy answers to {probe['probe_answers']} corpus questions compress "
+            f"{probe['answer_zlib_ratio_mean']:.2f}x with zlib (max "
+            f"{probe['answer_zlib_ratio_max']:.2f}x; prose ~1.5x, repetition loops far more)",
+        )
+    return {"loss_first": first, "loss_last": last, "corpus_tokens": len(stream)} | probe
 
 
 def _print_plan(params: Params) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from safetensors.torch import load, load_file, save
 from eagle3_pipeline import atomic
 from eagle3_pipeline.errors import StoreError
 from eagle3_pipeline.resume import file_sha256
+from eagle3_pipeline.store.names import sample_filename
 from eagle3_pipeline.store.sizes import hidden_bytes_per_token
 
 MANIFEST = "manifest.json"
@@ -49,7 +49,6 @@ FP8_ENCODING = (
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 ID_BYTES_PER_TOKEN = 16  # token_ids + loss_mask, int64 each
 _FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
-_SAFE_ID = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
 @dataclass(frozen=True)
@@ -72,12 +71,6 @@ class StoreLayout:
     def file_bytes_per_token(self) -> int:
         """Everything a file holds per token (hidden states, token id, loss mask)."""
         return self.bytes_per_token() + ID_BYTES_PER_TOKEN
-
-
-def sample_filename(sample_id: str) -> str:
-    if not _SAFE_ID.match(sample_id):
-        raise StoreError(f"sample id {sample_id!r} has characters unsafe in a file name")
-    return f"{sample_id}.safetensors"
 
 
 def quantize_fp8(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,8 +127,11 @@ def _sha256(data: bytes) -> str:
 
 
 def _write_unsynced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
+    try:
+        with open(path, "wb") as fh:
+            fh.write(data)
+    except OSError as exc:  # a failed write() names no file: say which
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
 def write_samples(

@@ -11,7 +11,8 @@ the bf16 files alone rounds them), `rng_state_rank<r>.pt` (taken after validatio
 draws from torch's RNG) and, last, the completion marker. A directory without the marker is
 incomplete and `discard_incomplete` removes it before speculators looks. On resume the exact state
 and RNG are restored after speculators loaded its own, so a resumed CPU run ends with the same
-weights, bit for bit. Rank 0 writes exact state and markers; every rank its RNG. With FSDP (sharded
+weights, bit for bit. A write that fails (disk full) is a disk.DiskError naming the mount and its
+free space. Rank 0 writes exact state and markers; every rank its RNG. With FSDP (sharded
 optimizer state) no exact state is written: resume is then close, not bitwise.
 """
 
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle3_pipeline import disk
 from eagle3_pipeline.atomic import atomic_write
 from eagle3_pipeline.training.speculators_patches import check_version
 
@@ -175,6 +177,12 @@ def exact_resume(keep_last: int | None, *, exact: bool = True) -> Iterator[None]
         return getattr(self.model, "module", self.model)
 
     def best_then_state(self: Any, epoch: int, val_metrics: dict | None) -> None:
+        # A failed write (disk full) ends the run with the OS's reason and the mount's free
+        # space; the epoch has no marker, so the rerun discards it and resumes before it.
+        with disk.guard("train", self.checkpointer.path):
+            _best_then_state(self, epoch, val_metrics)
+
+    def _best_then_state(self: Any, epoch: int, val_metrics: dict | None) -> None:
         # The end of an epoch's iteration: after training, checkpoint and validation (which
         # draws from torch's RNG: each DataLoader iteration takes a base seed from it).
         best_original(self, epoch, val_metrics)

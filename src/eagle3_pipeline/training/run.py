@@ -14,7 +14,9 @@ order is a function of seed and epoch (no state to save).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from typing import Any, Literal
 
 import torch
 
+from eagle3_pipeline.drafter.conventions import RunConventions
 from eagle3_pipeline.params import TrainParams
 from eagle3_pipeline.training.checkpoints import discard_incomplete, exact_resume
 from eagle3_pipeline.training.data import check_layer_count
@@ -53,7 +56,10 @@ class TrainSettings:
     `total_seq_len` is the token budget of one packed batch per process. `train_lm_head`
     un-freezes the draft lm_head, which speculators always freezes. `fsdp` shards the drafter
     (torchrun only). `init_from` (a drafter, flat or speculators format) initialises a fresh
-    run. `metrics_every_steps` is speculators' log_freq.
+    run. `metrics_every_steps` is speculators' log_freq. The four norm flags and
+    `draft_layer_config` (the init checkpoint's decoder layer; None: speculators shapes one like
+    the verifier) are the run's conventions (drafter.conventions), which speculators saves in
+    the checkpoint's config.json and export passes on.
     """
 
     data_dir: Path
@@ -81,6 +87,16 @@ class TrainSettings:
     fsdp: bool = False
     init_from: Path | None = None
     init_vocab_mismatch: Literal["remap", "refuse"] = "remap"
+    norm_before_residual: bool = True
+    norm_before_fc: bool = True
+    fc_norm: bool = False
+    norm_output: bool = True
+    draft_layer_config: dict[str, Any] | None = None
+
+    @property
+    def draft_config_file(self) -> Path:
+        """Where `draft_layer_config` is written for speculators' --draft-config."""
+        return self.save_dir / "draft_layer_config.json"
 
     @classmethod
     def from_params(
@@ -92,7 +108,7 @@ class TrainSettings:
         verifier_dir: Path,
         vocab_dir: Path,
         draft_vocab_size: int,
-        target_layer_ids: list[int],
+        conventions: RunConventions,
         train_data_ratio: float,
     ) -> TrainSettings:
         """The settings of the `train` stage. Every step's metrics reach DVCLive;
@@ -104,7 +120,7 @@ class TrainSettings:
             d2t_path=vocab_dir / "d2t.npy",
             t2d_path=vocab_dir / "t2d.npy",
             draft_vocab_size=draft_vocab_size,
-            target_layer_ids=target_layer_ids,
+            target_layer_ids=list(conventions.aux_layer_ids),
             train_data_ratio=train_data_ratio,
             epochs=t.epochs,
             lr=t.lr,
@@ -123,6 +139,8 @@ class TrainSettings:
             fsdp=t.strategy == "fsdp" and t.nproc > 1,
             init_from=Path(t.init_from) if t.init_from else None,
             init_vocab_mismatch=t.init_vocab_mismatch,
+            **conventions.flags,
+            draft_layer_config=conventions.layer_config,
         )
 
 
@@ -144,6 +162,7 @@ def run_training(
         discard_incomplete(s.save_dir)
     from speculators.train.cli import main
 
+    _write_draft_config(s)
     cfg = build_train_config(s)
     interrupted_model = s.save_dir / "interrupted" / "model.safetensors"
     stamp_before = _mtime_ns(interrupted_model)
@@ -175,6 +194,32 @@ def run_training(
         )
 
 
+def initial_drafter(s: TrainSettings, on_init_line: Callable[[str], None] = print) -> Any:
+    """The drafter speculators' trainer starts from (step 0): built by its own
+    `build_draft_model` from these settings, with the same init and lm_head patches."""
+    apply_cpu_shims()
+    from speculators.model import SpeculatorModel
+    from speculators.train.cli import build_draft_model, parse_vocab_mappings
+
+    _write_draft_config(s)
+    args = argparse.Namespace(**build_train_config(s).flatten())
+    d2t, t2d, draft_vocab_size = parse_vocab_mappings(args)
+    model_class = SpeculatorModel.registry["eagle3"]  # type: ignore[index]
+    with (
+        lm_head_trainable() if s.train_lm_head else contextlib.nullcontext(),
+        init_from_checkpoint(
+            s.init_from, s.init_vocab_mismatch, s.save_dir, on_init_line, str(s.d2t_path.parent)
+        ),
+    ):
+        return build_draft_model(args, model_class, t2d, d2t, draft_vocab_size)
+
+
+def _write_draft_config(s: TrainSettings) -> None:
+    if s.draft_layer_config is not None:
+        s.save_dir.mkdir(parents=True, exist_ok=True)
+        s.draft_config_file.write_text(json.dumps(s.draft_layer_config, indent=2) + "\n")
+
+
 def _check(s: TrainSettings) -> None:
     """Refuse settings speculators would accept and then fail on, or silently misuse."""
     if s.noise_std < 0:
@@ -196,9 +241,11 @@ def build_train_config(s: TrainSettings) -> Any:
         "speculator_type": "eagle3",
         "seed": s.seed,
         "verifier_name_or_path": str(s.verifier_dir),
-        "draft_arch": "llama",
-        "num_layers": 1,
         "target_layer_ids": list(s.target_layer_ids),
+        "norm_before_residual": s.norm_before_residual,
+        "norm_before_fc": s.norm_before_fc,
+        "fc_norm": s.fc_norm,
+        "norm_output": s.norm_output,
         "draft_vocab_size": s.draft_vocab_size,
         "d2t_path": str(s.d2t_path),
         "t2d_path": str(s.t2d_path),
@@ -222,6 +269,12 @@ def build_train_config(s: TrainSettings) -> Any:
         "save_path": str(s.save_dir),
         "log_freq": s.metrics_every_steps,
     }
+    if s.draft_layer_config is not None:
+        # The init checkpoint's decoder layer (heads, sizes, rope, eps), not one shaped like the
+        # verifier: its tensors only load, and mean what they meant, in that layer.
+        flags["draft_config"] = str(s.draft_config_file)
+    else:
+        flags |= {"draft_arch": "llama", "num_layers": 1}
     if s.fsdp:
         flags["fsdp_shard"] = True
     if not torch.cuda.is_available():

@@ -12,6 +12,7 @@ from online_runs import fake_run
 
 from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.evaluation import online as oe
+from eagle3_pipeline.evaluation.losslessness import TokenLogprobs
 from eagle3_pipeline.serving.server import ServerSpec
 
 K = 3
@@ -87,7 +88,7 @@ def _answer(body: dict) -> tuple[int, dict]:
     return reply(None, f"answer {n}", token_ids=[n, n], completion_tokens=2)
 
 
-def test_payload_is_greedy_with_token_ids() -> None:
+def test_payload_is_greedy_with_token_ids_and_logprobs() -> None:
     payload = oe.chat_payload(CONVERSATIONS[0], SETTINGS)
     assert payload == {
         "model": "verifier",
@@ -97,6 +98,9 @@ def test_payload_is_greedy_with_token_ids() -> None:
         "chat_template_kwargs": {},
         "skip_special_tokens": False,
         "return_token_ids": True,
+        "logprobs": True,
+        "top_logprobs": 5,
+        "return_tokens_as_token_ids": True,
     }
     assert oe.chat_payload(CONVERSATIONS[0], SETTINGS, max_tokens=4)["max_tokens"] == 4
 
@@ -104,7 +108,7 @@ def test_payload_is_greedy_with_token_ids() -> None:
 def test_run_prompts_keeps_prompt_order_and_concurrency(fake) -> None:
     server = fake(_answer)
     results, wall = oe.run_prompts(server.url, CONVERSATIONS, SETTINGS)
-    assert results == [([i, i], f"answer {i}", 2) for i in range(len(CONVERSATIONS))]
+    assert results == [([i, i], f"answer {i}", 2, None) for i in range(len(CONVERSATIONS))]
     assert wall > 0 and server.max_in_flight <= SETTINGS.concurrency
     assert sorted(server.requested_ids()) == [f"q{i}" for i in range(len(CONVERSATIONS))]
 
@@ -114,7 +118,7 @@ def test_transient_failures_are_retried(fake, monkeypatch: pytest.MonkeyPatch) -
     server = fake(
         sequence(error(503, "overloaded"), reply("r", "c", token_ids=[1], completion_tokens=1))
     )
-    assert oe.complete(oe.client(server.url, SETTINGS), {"messages": []}) == ([1], "rc", 1)
+    assert oe.complete(oe.client(server.url, SETTINGS), {"messages": []}) == ([1], "rc", 1, None)
     assert len(server.bodies) == 2
 
 
@@ -122,6 +126,34 @@ def test_a_prompt_that_fails_for_good_is_one_server_error(fake) -> None:
     server = fake(sequence(error(400, "prompt is too long")))
     with pytest.raises(ServerError, match="chat completion failed: HTTP 400: prompt is too long"):
         oe.run_prompts(server.url, CONVERSATIONS, SETTINGS)
+
+
+def test_logprobs_are_kept_with_token_ids(fake) -> None:
+    status, body = reply(None, "ab", token_ids=[7, 9], completion_tokens=2)
+    body["choices"][0]["logprobs"] = {
+        "content": [
+            {
+                "token": "token_id:7",
+                "logprob": -0.1,
+                "top_logprobs": [
+                    {"token": "token_id:7", "logprob": -0.1},
+                    {"token": "token_id:3", "logprob": -2.5},
+                ],
+            },
+            {
+                "token": "token_id:9",
+                "logprob": -0.7,
+                "top_logprobs": [{"token": "token_id:9", "logprob": -0.7}],
+            },
+        ]
+    }
+    server = fake(sequence((status, body)))
+    ids, text, n, logprobs = oe.complete(oe.client(server.url, SETTINGS), {"messages": []})
+    assert (ids, text, n) == ([7, 9], "ab", 2)
+    assert logprobs == [
+        TokenLogprobs(7, -0.1, {7: -0.1, 3: -2.5}),
+        TokenLogprobs(9, -0.7, {9: -0.7}),
+    ]
 
 
 def test_reply_without_usage_is_a_server_error(fake) -> None:
@@ -180,6 +212,31 @@ def test_spec_run_without_counters_is_an_error(tmp_path: Path) -> None:
     base = ServerSpec(model="v", log_file=tmp_path / "x.log")
     with pytest.raises(ServerError, match="speculative decoding is off"):
         oe.evaluate(base, "d", CONVERSATIONS[:1], SETTINGS, tmp_path, fake)
+
+
+def test_evaluate_judges_losslessness_by_prompt_id(tmp_path: Path) -> None:
+    def fake(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+        tokens = [[1, 2], [3, 4]]
+        if spec.speculative_config:
+            tokens[1] = [3, 5]  # no logprobs: a difference that cannot be judged a near tie
+            return fake_run(tokens, wall=1.0, drafts=2, accepted=2)
+        return fake_run(tokens, wall=1.0, drafts=0, accepted=0)
+
+    base = ServerSpec(model="v", log_file=tmp_path / "x.log")
+    _, differing, verdict = oe.evaluate(
+        base, "d", CONVERSATIONS[:2], SETTINGS, tmp_path, fake, prompt_ids=["a", "b"]
+    )
+    assert differing == [1]
+    assert verdict.outcome == "diverged" and not verdict.passed
+    assert [(d.prompt, d.position) for d in verdict.diverged] == [("b", 1)]
+
+
+def test_runs_without_token_ids_cannot_be_judged() -> None:
+    a = fake_run([[1, 2]], wall=1.0, drafts=0, accepted=0)
+    b = fake_run([[]], wall=1.0, drafts=1, accepted=1)
+    b.texts[0] = "text"
+    with pytest.raises(ServerError, match="no token_ids"):
+        oe.verdict(["p0"], a, b, SETTINGS)
 
 
 def test_no_prompts_is_an_error(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ from eagle3_pipeline.plan import plan, report
 
 def test_kimi_numbers_match_the_seeds_team() -> None:
     p = kimi_plan(tokens=1_000_000)
-    assert (p.aux_layer_ids, p.final_layer_id) == ([2, 30, 58], 61)
+    # AQ-MedAI's [2, 30, 58] are SpecForge's (output of layer k): vLLM's [3, 31, 59].
+    assert (p.aux_layer_ids, p.final_layer_id) == ([3, 31, 59], 61)
     assert (p.verifier.num_layers, p.verifier.hidden_size, p.verifier.vocab_size) == (
         61,
         7168,
@@ -32,17 +33,22 @@ def test_kimi_numbers_match_the_seeds_team() -> None:
     assert "57,344 B/token bf16" in text
 
 
-def test_kimi_plan_cli_prints_and_warns(capsys) -> None:
+def test_kimi_plan_cli_prints_the_checkpoints_conventions(capsys) -> None:
     rc = main(["plan", "--params", str(PROFILE), *KIMI_ARGS, "--tokens", "81920000"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "deepseek_v3 under text_config: 61 layers, hidden 7,168, vocab 163,840" in out
-    assert "aux [2, 30, 58] + final 61" in out
+    assert "aux [3, 31, 59] + final 61" in out
+    assert "fc trained on [3, 31, 59] (written [2, 30, 58] in SGLang's convention): same" in out
     assert "draft 32,000 of target 163,840" in out
     assert "store 4.70 TB bf16" in out
     # 81,920,000 x 0.9 / 8,192 per batch = 9,000 steps/epoch; 5 epochs; warm-up 1% of 45,000.
     assert "9,000 steps/epoch" in out and "45,000 steps, warm-up 450" in out
-    assert "norm_before_fc=false" in out  # AQ-MedAI is legacy: no input_norm, warned
+    # AQ-MedAI is SpecForge's: no norm before fc, wired as the checkpoint was; nothing to warn.
+    assert (
+        "norm_before_fc false (params)" in out and "decoder layer from the init checkpoint" in out
+    )
+    assert "warning" not in out
 
 
 def test_tiny_verifier_built_from_older_params_is_planned_from_the_new_ones(

@@ -59,46 +59,87 @@ def test_init_draft_vocab_mismatch_refused_only_when_asked(tmp_path: Path, capsy
 
 def test_init_aux_count_mismatch(tmp_path: Path, capsys) -> None:
     params = profile(tmp_path, lambda p: p["layers"].update(aux_layer_ids=[2, 20, 40, 58]))
-    refused(capsys, params, CheckpointError, "fc takes 3 aux layers [2, 30, 58]")
+    refused(capsys, params, CheckpointError, "fc takes 3 aux layers [3, 31, 59]")
 
 
-def test_init_aux_ids_warn_with_their_convention(tmp_path: Path, capsys) -> None:
-    """A flat file's ids mean what its trainer meant (SpecForge: output of layer k): warn."""
-    init = init_config(tmp_path, aux=[1, 29, 57])
-    assert (
-        main(
-            [
-                "plan",
-                "--params",
-                str(PROFILE),
-                "--init-config",
-                str(init),
-                "--verifier-config",
-                str(KIMI),
-            ]
-        )
-        == 0
+def test_init_aux_ids_refused_naming_both_in_vllm_convention(tmp_path: Path, capsys) -> None:
+    """The seeds' Kimi run: ids as written in AQ-MedAI's file are one layer early for vLLM."""
+    old = profile(tmp_path, lambda p: p["layers"].update(aux_layer_ids=[2, 30, 58]))
+    expected = (
+        "layers.aux_layer_ids [2, 30, 58] vs the checkpoint's [3, 31, 59] (written [2, 30, 58] "
+        "in SGLang's convention)"
     )
+    refused(capsys, old, CheckpointError, expected)
+
+
+def test_init_mismatch_allow_retrains_and_warns(tmp_path: Path, capsys) -> None:
+    def allow(p: dict) -> None:
+        p["layers"]["aux_layer_ids"] = [2, 30, 58]
+        p["train"]["flags"]["norm_before_fc"] = True
+        p["train"]["init_mismatch"] = "allow"
+
+    assert main(["plan", "--params", str(profile(tmp_path, allow)), *KIMI_ARGS]) == 0
     out = capsys.readouterr().out
-    assert "(legacy flat) lists aux ids [1, 29, 57]" in out and "([2, 30, 58])" in out
-    ours = tmp_path / "ours" / "config.json"
-    ours.parent.mkdir()
-    ours.write_text(json.dumps(json.loads(init.read_text()) | {"eagle3_pipeline": {}}))
-    assert (
-        main(
-            [
-                "plan",
-                "--params",
-                str(PROFILE),
-                "--init-config",
-                str(ours),
-                "--verifier-config",
-                str(KIMI),
-            ]
+    assert "init checkpoint's fc trained on [3, 31, 59]" in out and "DIFFERENT" in out
+    assert "warning     train.init_mismatch allow: layers.aux_layer_ids [2, 30, 58]" in out
+    assert "train.flags.norm_before_fc true vs the checkpoint's false" in out
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "checkpoint"),
+    [("norm_before_fc", True, "false"), ("norm_output", True, "false")],
+)
+def test_init_flag_refused_naming_both(
+    tmp_path: Path, capsys, flag: str, value: bool, checkpoint: str
+) -> None:
+    params = profile(tmp_path, lambda p: p["train"]["flags"].update({flag: value}))
+    expected = f"train.flags.{flag} true vs the checkpoint's {checkpoint}"
+    refused(capsys, params, CheckpointError, expected)
+
+
+def test_null_flags_adopt_the_checkpoints(tmp_path: Path) -> None:
+    """SpecForge's fc_norm (per-layer norms) is speculators' fc_norm: adopted when params say
+    nothing; speculators' own defaults would have put a norm before fc instead."""
+    params = profile(tmp_path, lambda p: p["train"].update(flags={}))
+    init = init_config(tmp_path, fc_norm=True)
+    p = plan.make_plan(load_params(params), params, KIMI, init, tokens=1)
+    assert p.conventions.flags == {
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": True,
+        "norm_output": False,
+    }
+    assert set(p.conventions.sources.values()) == {"init checkpoint"}
+    assert p.drafter.fc_norm and not p.drafter.norm_before_fc
+
+
+def test_specforge_norm_output_false_refused(tmp_path: Path, capsys) -> None:
+    """SpecForge norm_output false = logits from the un-normed state: vLLM cannot serve it."""
+    init = init_config(tmp_path, norm_output=False)
+    refused(capsys, PROFILE, CheckpointError, "norm_output false: in SpecForge", init=init)
+
+
+def test_target_hidden_size_speculators_cannot_train_refused(tmp_path: Path, capsys) -> None:
+    init = init_config(tmp_path, target_hidden_size=4096)
+    refused(capsys, PROFILE, CheckpointError, "target_hidden_size 4096 differs", init=init)
+
+
+def test_own_flat_export_ids_read_as_written(tmp_path: Path) -> None:
+    """A flat file this pipeline exported records its convention: vLLM ids are not shifted."""
+    ours = init_config(tmp_path, aux=[3, 31, 59], eagle3_pipeline={"layer_convention": "vllm"})
+    p = plan.make_plan(load_params(PROFILE), PROFILE, KIMI, ours, tokens=1)
+    assert p.conventions.init.vllm_aux_layer_ids == [3, 31, 59]
+    sglang = tmp_path / "sglang"
+    sglang.mkdir()
+    (sglang / "config.json").write_text(
+        json.dumps(
+            json.loads(ours.read_text())
+            | {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}}
+            | {"eagle3_pipeline": {"layer_convention": "sglang"}}
         )
-        == 0
     )
-    assert "fc was trained on aux layers [1, 29, 57]" in capsys.readouterr().out
+    p = plan.make_plan(load_params(PROFILE), PROFILE, KIMI, sglang, tokens=1)
+    assert p.conventions.init.vllm_aux_layer_ids == [3, 31, 59]
 
 
 def test_reasoning_parser_needs_think_tokens(tmp_path: Path, capsys) -> None:

@@ -46,10 +46,13 @@ def test_rejects_wrong_shapes_and_ids(tmp_path: Path) -> None:
         store.write_sample(
             tmp_path, "s", torch.randn(3, 3, 16), torch.arange(3), torch.ones(3), LAYOUT
         )
-    with pytest.raises(StoreError, match="unsafe"):
-        store.write_sample(
-            tmp_path, "../x", torch.randn(3, 4, 16), torch.arange(3), torch.ones(3), LAYOUT
-        )
+    entry = store.write_sample(  # an id is data: it names no path, it gets a derived name
+        tmp_path, "../x", torch.randn(3, 4, 16), torch.arange(3), torch.ones(3), LAYOUT
+    )
+    assert "/" not in entry["file"] and (tmp_path / entry["file"]).is_file()
+    assert (
+        sorted(p.name for p in tmp_path.parent.iterdir() if p.name.endswith("x.safetensors")) == []
+    )
     with pytest.raises(StoreError, match="no manifest"):
         store.read_manifest(tmp_path)
 

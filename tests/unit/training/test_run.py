@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from train_workspace import AUX_IDS, DRAFT_VOCAB, tiny_settings, train_tiny, verifier_head_rows
 
+from eagle3_pipeline.drafter.conventions import RunConventions
 from eagle3_pipeline.params import TrainParams
 from eagle3_pipeline.training import checkpoints
 from eagle3_pipeline.training.run import TrainingInterrupted, TrainSettings, build_train_config
@@ -24,6 +25,8 @@ NOT_SETTINGS = {
     "log_every_steps": "log lines only (metrics.MetricsSink)",
     "nproc": "the launcher; with strategy, it decides fsdp",
     "strategy": "fsdp",
+    "init_mismatch": "drafter.conventions (refuses or allows; the settings get its result)",
+    "flags": "drafter.conventions -> the four flag fields (test_settings_carry_conventions)",
 }
 RENAMED = {"max_tokens_per_batch": "total_seq_len"}
 # A value unlike the default for each carried field, so a forgotten one shows.
@@ -46,7 +49,15 @@ NON_DEFAULT = {
 }
 
 
-def _settings_from(t: TrainParams) -> TrainSettings:
+FLAGS = {
+    "norm_before_residual": True,
+    "norm_before_fc": True,
+    "fc_norm": False,
+    "norm_output": True,
+}
+
+
+def _settings_from(t: TrainParams, conventions: RunConventions | None = None) -> TrainSettings:
     return TrainSettings.from_params(
         t,
         data_dir=Path("d"),
@@ -54,7 +65,7 @@ def _settings_from(t: TrainParams) -> TrainSettings:
         verifier_dir=Path("v"),
         vocab_dir=Path("data/vocab"),
         draft_vocab_size=DRAFT_VOCAB,
-        target_layer_ids=AUX_IDS,
+        conventions=conventions or RunConventions(AUX_IDS, 8, dict(FLAGS), {}),
         train_data_ratio=0.5,
     )
 
@@ -75,6 +86,23 @@ def test_settings_carry_every_train_param() -> None:
     assert settings.d2t_path == Path("data/vocab/d2t.npy")
     assert settings.t2d_path == Path("data/vocab/t2d.npy")
     assert settings.metrics_every_steps == 1  # every step to DVCLive
+
+
+def test_settings_carry_conventions(tmp_path: Path) -> None:
+    """Ids, every flag and the init checkpoint's layer reach speculators' TrainConfig."""
+    flags = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": True}
+    layer = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 2, "head_dim": 48}
+    conv = RunConventions([3, 5, 6], 8, flags | {"norm_output": False}, {}, layer)
+    s = dataclasses.replace(_settings_from(TrainParams(), conv), save_dir=tmp_path / "ckpt")
+    assert s.target_layer_ids == [3, 5, 6] and s.draft_layer_config == layer
+    cfg = build_train_config(s).flatten()
+    assert cfg["target_layer_ids"] == [3, 5, 6]
+    for name, value in conv.flags.items():
+        assert cfg[name] is value, name
+    assert cfg["draft_config"] == str(tmp_path / "ckpt" / "draft_layer_config.json")
+    default = build_train_config(_settings_from(TrainParams())).flatten()
+    assert default["draft_config"] == "" and default["num_layers"] == 1
+    assert {k: default[k] for k in FLAGS} == FLAGS
 
 
 def test_settings_fsdp_only_with_processes() -> None:

@@ -1,0 +1,19 @@
+"""Imported by vLLM in each spawned worker serving an MLA verifier with a drafter on CPU
+(`--worker-extension-cls`, set by `cpu_patches.server_args_with_patches`): applies
+`fix_cpu_rope_multihead` and `pair_mla_drafter_block_size` there, before the worker builds the
+model and sizes its KV cache. Import it only in a vLLM worker: the import patches vLLM.
+"""
+
+from __future__ import annotations
+
+from eagle3_pipeline.serving.cpu_patches import (
+    fix_cpu_rope_multihead,
+    pair_mla_drafter_block_size,
+)
+
+fix_cpu_rope_multihead()
+pair_mla_drafter_block_size()
+
+
+class MlaDrafterBlockSize:
+    """No methods: vLLM mixes it into the worker class; the import above is the point."""

@@ -1,0 +1,212 @@
+"""vLLM on CPU serves an MLA verifier with a flat Llama-architecture EAGLE-3 drafter, and the
+seeds' failure in miniature: the drafter's aux layer ids shifted by one (a SpecForge-convention
+checkpoint read in vLLM's convention) must fire evaluate's MISMATCH alarm.
+
+The drafter is built, not trained, so that its drafts depend on which layer it reads: the
+verifier's last decoder layer is made an identity (o_proj and every down_proj zero), so the
+residual stream entering it (id N-1) IS the final pre-norm state (id N); the drafter's fc passes
+that id's slice through, its decoder layer adds nothing, and its norm and lm_head are the
+verifier's: it drafts the verifier's greedy token for the position it reads. (EAGLE drafts the
+token after that one, so such drafts are accepted where the random verifier repeats itself,
+which it often does: offline ~3.2, served ~2.5 here.) Read at ids shifted by one, the slice is
+the state entering layer N-2, and the drafts are wrong. The offline simulation of the pipeline
+(on transformers' hidden states at the right ids) is the reference evaluate compares with.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from drafter_fixtures import build_drafter, save_legacy_flat
+from safetensors.torch import load_file, save_file
+
+from eagle3_pipeline.evaluation import offline
+from eagle3_pipeline.evaluation import online as oe
+from eagle3_pipeline.params import Params
+from eagle3_pipeline.serving.server import ServerSpec
+from eagle3_pipeline.stages import evaluate
+from eagle3_pipeline.stages import verifier as verifier_stage
+
+REPO = Path(__file__).resolve().parents[2]
+N_LAYERS = 5
+AUX = [2, 3, 4]  # id 4 enters the identity layer 4: equal to id 5, the final state
+SHIFTED = [a - 1 for a in AUX]  # SpecForge's "output of layer k" ids read as vLLM's inputs
+K = 3
+PROMPTS = [
+    "What is the capital of Ghana?",
+    "How do plants make food?",
+    "Why is the sky blue?",
+    "Name three rivers in Europe.",
+]
+SETTINGS = oe.Settings(num_speculative_tokens=K, max_new_tokens=64, chat_template_kwargs={})
+CONVERSATIONS = [[{"role": "user", "content": p}] for p in PROMPTS]
+PARAMS = Params.model_validate({"evaluate": {"online": True, "mismatch_ratio": 0.5}})
+
+
+@pytest.fixture(scope="module")
+def verifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Kimi-like DeepSeek-V3 verifier (MLA + MoE) whose last layer is an identity."""
+    out = tmp_path_factory.mktemp("mla") / "verifier"
+    out.mkdir()
+    tiny = {
+        "architecture": "deepseek_v3",
+        "corpus": str(REPO / "data/corpus/verifier_corpus.jsonl"),
+        "train_steps": 0,  # random weights: varied greedy text; a wrong layer misses
+        "vocab_size": 1024,
+        "num_hidden_layers": N_LAYERS,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "train_batch_size": 4,
+        "train_seq_len": 64,
+    }
+    layers = {"aux_layer_ids": AUX, "final_layer_id": N_LAYERS}
+    verifier_stage.build_tiny(
+        Params.model_validate({"verifier": {"tiny": tiny}, "layers": layers}), out
+    )
+    weights = load_file(out / "model.safetensors")
+    last = f"language_model.model.layers.{N_LAYERS - 1}."
+    zeroed = [
+        k
+        for k in weights
+        if k.startswith(last) and k.endswith(("o_proj.weight", "down_proj.weight"))
+    ]
+    assert len(zeroed) >= 3  # attention, routed experts, shared expert
+    for key in zeroed:
+        weights[key] = torch.zeros_like(weights[key])
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _copying_drafter(verifier: Path):
+    """A speculators drafter whose first draft is the verifier's own greedy token."""
+    vocab = int(load_file(verifier / "model.safetensors")["language_model.lm_head.weight"].shape[0])
+    model = build_drafter(
+        verifier, list(range(vocab)), AUX, seed=0, random_head=False, perturb_norms=False
+    )
+    norm = load_file(verifier / "model.safetensors")["language_model.model.norm.weight"]
+    hidden = norm.shape[0]
+    with torch.no_grad():
+        model.fc.weight.zero_()
+        model.fc.weight[:, 2 * hidden :] = torch.eye(hidden)  # the slice of the last aux id
+        layer = model.layers[0]
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+        model.norm.weight.copy_(norm)
+    return model
+
+
+@pytest.fixture(scope="module")
+def drafters(verifier: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Flat `LlamaForCausalLMEagle3` checkpoints (as the kimi profile serves): the right ids,
+    and the ids a SpecForge checkpoint of the same drafter would carry."""
+    root = tmp_path_factory.mktemp("flat")
+    model = _copying_drafter(verifier)
+    return {
+        "right": _save_flat_fp32(model, root / "right", AUX),
+        "shifted": _save_flat_fp32(model, root / "shifted", SHIFTED),
+        "model": model,
+    }
+
+
+def _save_flat_fp32(model, out: Path, aux: list[int]) -> Path:
+    """save_legacy_flat's layout with the fp32 weights: random logits tie often, and bf16
+    rounding alone would move which token the drafter copies."""
+    save_legacy_flat(model, out, aux)
+    flat = load_file(out / "model.safetensors")
+    state = {k.replace("layers.0.", "midlayer."): v for k, v in model.state_dict().items()}
+    save_file({k: state[k].contiguous() for k in flat}, out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"dtype": "float32"}))
+    return out
+
+
+def _offline_mal(verifier: Path, model, runs: oe.RunResult) -> dict:
+    """The pipeline's offline simulation on transformers' hidden states at the right ids."""
+    from transformers import AutoTokenizer
+    from transformers.models.kimi_k25 import Kimi_K25ForConditionalGeneration
+
+    tok = AutoTokenizer.from_pretrained(verifier)
+    hf = Kimi_K25ForConditionalGeneration.from_pretrained(verifier, dtype=torch.float32).eval()
+    head = offline.VerifierHead(verifier, float(hf.config.text_config.rms_norm_eps))
+    counts = offline.AcceptanceCounts(K)
+    for conv, generated in zip(CONVERSATIONS, runs.token_ids, strict=True):
+        prompt = tok.apply_chat_template(
+            conv, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        ids = torch.tensor(list(prompt) + list(generated))
+        with torch.no_grad():
+            states = hf(input_ids=ids[None], output_hidden_states=True).hidden_states
+        # id N (pre-norm final) = id N-1 here: the last layer is an identity
+        hs = torch.stack([states[a][0] for a in AUX] + [states[N_LAYERS - 1][0]], dim=1)
+        mask = torch.zeros(len(ids), dtype=torch.long)
+        mask[len(prompt) :] = 1
+        counts.add(offline.simulate_sample(model, head, hs, ids, mask, K))
+    return counts.summary()
+
+
+@pytest.fixture(scope="module")
+def served(verifier: Path, drafters: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    logs = tmp_path_factory.mktemp("logs")
+    base = ServerSpec(
+        model=str(verifier),
+        log_file=logs / "vllm.log",
+        dtype="float32",
+        language_model_only=True,
+        extra_args=["--attention-backend", "CPU_MLA"],
+    )
+    runs: dict[str, oe.RunResult] = {}
+
+    def runner(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+        runs["spec" if spec.speculative_config else "baseline"] = run = oe.serve_and_measure(
+            spec, conversations, settings
+        )
+        return run
+
+    right, _, right_verdict = oe.evaluate(
+        base, drafters["right"], CONVERSATIONS, SETTINGS, logs / "right", runner
+    )
+    _, shifted_spec = oe.server_specs(base, drafters["shifted"], K, logs / "shifted")
+    shifted_run = oe.serve_and_measure(shifted_spec, CONVERSATIONS, SETTINGS)
+    return {
+        "right": right,
+        "right_verdict": right_verdict,
+        "shifted": oe.online_section(runs["baseline"], shifted_run, K),
+        "shifted_verdict": oe.verdict(
+            [str(i) for i in range(len(PROMPTS))], runs["baseline"], shifted_run, SETTINGS
+        ),
+        "offline_summary": (summary := _offline_mal(verifier, drafters["model"], runs["baseline"])),
+        "offline": summary["mean_acceptance_length"],
+    }
+
+
+@pytest.mark.vllm
+def test_flat_drafter_served_beside_mla_verifier_raises_no_alarm(served: dict, capsys) -> None:
+    right, offline_mal = served["right"], served["offline"]
+    assert offline_mal > 1.8, offline_mal  # the drafter copies the verifier's next token
+    assert right["num_drafts"] > 0
+    # a few dozen drafts, and vLLM cuts the last draft of each answer at max_tokens
+    assert right["mean_acceptance_length"] > 1 + 0.5 * (offline_mal - 1), (
+        right["acceptance_per_position"],
+        served["offline_summary"]["acceptance_per_position"],
+    )
+    out = evaluate.online_verdict(right, offline_mal, [], PARAMS, served["right_verdict"])
+    assert out["mismatch"] is False and out["lossless"]["verdict"] != "diverged"
+    assert "MISMATCH" not in capsys.readouterr().out
+
+
+@pytest.mark.vllm
+def test_shifted_aux_ids_fire_the_mismatch_alarm(served: dict, capsys) -> None:
+    shifted, offline_mal = served["shifted"], served["offline"]
+    assert shifted["num_drafts"] > 0
+    assert shifted["mean_acceptance_length"] < 1 + 0.5 * (offline_mal - 1), shifted
+    out = evaluate.online_verdict(shifted, offline_mal, [], PARAMS, served["shifted_verdict"])
+    assert out["mismatch"] is True
+    lines = [x for x in capsys.readouterr().out.splitlines() if "MISMATCH" in x]
+    assert len(lines) == 1 and "aux/final layer ids" in lines[0]
+    # the verifier still decides every token: wrong drafts cost speed, not output
+    assert out["lossless"]["verdict"] != "diverged"

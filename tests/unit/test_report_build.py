@@ -1,0 +1,102 @@
+"""`make report`: every dvc.yaml plot drawn offline, the same data DVC draws, revisions compared."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from report_fixtures import commit, make_repo, run, write_metrics
+
+from eagle3_pipeline.report import build, sources
+
+# src/href/url() pointing anywhere but this file: a page that would load from the network.
+REMOTE = re.compile(
+    r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//|url\(\s*["']?(?:https?:)?//""", re.I
+)
+
+
+def _plot_ids() -> list[str]:
+    return [next(iter(p)) for p in yaml.safe_load(Path("dvc.yaml").read_text())["plots"]]
+
+
+def _chart_data(html: str) -> dict[str, str]:
+    return dict(
+        re.findall(r'<figure class="chart" data-chart="([^"]+)">(<svg.*?</svg>)', html, re.S)
+    )
+
+
+@pytest.fixture
+def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = make_repo(tmp_path / "r")
+    monkeypatch.chdir(root)
+    return root
+
+
+def test_every_declared_plot_is_drawn_as_svg_and_png_with_nothing_remote(repo: Path) -> None:
+    path = build.build([])
+    html = path.read_text()
+    drawn = _chart_data(html)
+    assert sorted(drawn) == sorted(_plot_ids()) and len(drawn) == 13
+    for pid, svg in drawn.items():
+        assert re.search(r"<(path|rect)\b", svg), pid  # marks, not an empty frame
+        assert (repo / "report/png" / f"{build.render.slug(pid)}.png").stat().st_size > 1000
+    assert "<script" not in html and not REMOTE.search(html)
+    assert "report/index.html" not in run(repo, "git", "status", "--porcelain", "-uall")
+    assert REMOTE.search('<img src="https://cdn.example/x.png">')  # the scan can fail
+
+
+def test_summary_plots_draw_what_dvc_plots_draws(repo: Path) -> None:
+    """The report fills dvc.yaml's summary plots itself (per revision); for the workspace its
+    specs carry exactly the records `dvc plots show` reads from metrics/report/."""
+    build.build([])
+    dvc_specs, errors = sources.dvc_plot_specs([])
+    assert not errors
+    defs = {d.id: d for d in sources.plot_defs()}
+    per_rev = {"workspace": build.series.derive(*_raw("workspace"))}
+    for chart in build.charts(list(defs.values()), per_rev, dvc_specs):
+        if not defs[chart.id].series:
+            assert chart.spec is dvc_specs[chart.id]
+            continue
+        dvc_rows = [
+            {k: v for k, v in r.items() if k not in ("filename", "field")}
+            for r in dvc_specs[chart.id]["data"]["values"]
+        ]
+        assert chart.spec["data"]["values"] == dvc_rows, chart.id
+        assert {k: v for k, v in chart.spec.items() if k != "data"} == {
+            k: v for k, v in dvc_specs[chart.id].items() if k != "data"
+        }, chart.id
+
+
+def _raw(rev: str) -> tuple:
+    f = sources.read_revision(rev)
+    return f.eval, f.provenance, f.manifest
+
+
+def test_revisions_are_compared_from_their_own_files(repo: Path) -> None:
+    write_metrics(repo, scale=0.5)
+    commit(repo, "second")
+    html = build.build(["HEAD~1", "HEAD"]).read_text()
+    drawn = _chart_data(html)
+    assert sorted(drawn) == sorted(_plot_ids())
+    # the acceptance chart holds both revisions' numbers (rows facet by revision)
+    svg = drawn["acceptance per draft position"]
+    assert "HEAD~1" in svg and "HEAD" in svg
+    rows = re.findall(
+        r"<td>(HEAD~1|HEAD)</td><td>trained</td><td>offline</td><td>([0-9.]+)</td>", html
+    )
+    assert dict(rows) == {"HEAD~1": "3.000", "HEAD": "2.000"}
+    # the workspace's series (what dvc plots diff reads) follow the workspace, not HEAD~1
+    ws = json.loads((repo / "metrics/report/throughput.json").read_text())
+    assert ws == [
+        {"label": "without drafter", "value": 150.0},
+        {"label": "with drafter", "value": 100.0},
+    ]
+
+
+def test_unknown_revision_is_one_line_error(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert build.main(["--revs", "no-such-rev"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: revision 'no-such-rev'") and "\n" not in err
