@@ -189,18 +189,10 @@ VLLM_SCRIPT = textwrap.dedent(
 ).replace("NUM_SPEC", str(K))
 
 
-@pytest.mark.vllm
-def test_vllm_serves_flat_export_like_speculators_export(
-    tiny_verifier_dir: Path, tmp_path: Path
-) -> None:
-    """One process, one in-process engine at a time: baseline, speculators export, flat export.
-    Greedy outputs equal the baseline's, and the spec-decode counters of the two exports of the
-    same weights are equal (so vLLM computes the same drafter from both)."""
-    root = make_repo(tmp_path / "repo", tiny_verifier_dir)
-    run_export(root, params("speculators"))
-    shutil.copytree(root / "models/drafter", tmp_path / "spec")
-    run_export(root, params("flat"))
-    shutil.copytree(root / "models/drafter", tmp_path / "flat")
+def serve_both_exports(verifier: Path, tmp_path: Path) -> dict:
+    """vLLM in one subprocess: the baseline, then tmp_path/spec and tmp_path/flat as drafters.
+    Asserts greedy outputs equal the baseline's and both exports draft identically; returns the
+    speculators export's run."""
     env = dict(os.environ)
     env |= {
         "HF_HUB_OFFLINE": "1",
@@ -210,7 +202,7 @@ def test_vllm_serves_flat_export_like_speculators_export(
     }
     out = tmp_path / "result.json"
     proc = subprocess.run(
-        [sys.executable, "-c", VLLM_SCRIPT, str(tiny_verifier_dir), str(out)]
+        [sys.executable, "-c", VLLM_SCRIPT, str(verifier), str(out)]
         + [str(tmp_path / "spec"), str(tmp_path / "flat")],
         env=env,
         capture_output=True,
@@ -223,6 +215,22 @@ def test_vllm_serves_flat_export_like_speculators_export(
     spec, flat = result[str(tmp_path / "spec")], result[str(tmp_path / "flat")]
     assert spec["tokens"] == baseline["tokens"] and flat["tokens"] == baseline["tokens"]
     assert flat["counters"] == spec["counters"]
+    return spec
+
+
+@pytest.mark.vllm
+def test_vllm_serves_flat_export_like_speculators_export(
+    tiny_verifier_dir: Path, tmp_path: Path
+) -> None:
+    """One process, one in-process engine at a time: baseline, speculators export, flat export.
+    Greedy outputs equal the baseline's, and the spec-decode counters of the two exports of the
+    same weights are equal (so vLLM computes the same drafter from both)."""
+    root = make_repo(tmp_path / "repo", tiny_verifier_dir)
+    run_export(root, params("speculators"))
+    shutil.copytree(root / "models/drafter", tmp_path / "spec")
+    run_export(root, params("flat"))
+    shutil.copytree(root / "models/drafter", tmp_path / "flat")
+    spec = serve_both_exports(tiny_verifier_dir, tmp_path)
     accepted = spec["counters"]["vllm:spec_decode_num_accepted_tokens"][0]
     drafts = spec["counters"]["vllm:spec_decode_num_drafts"][0]
     assert drafts > 0
@@ -238,26 +246,5 @@ def test_vllm_serves_specforge_wired_export(tiny_verifier_dir: Path, tmp_path: P
     shutil.copytree(root / "models/drafter", tmp_path / "spec")
     run_export(root, params("flat", flags=SPECFORGE_FLAGS))
     shutil.copytree(root / "models/drafter", tmp_path / "flat")
-    env = dict(os.environ)
-    env |= {
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
-        "VLLM_NO_USAGE_STATS": "1",
-    }
-    out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, "-c", VLLM_SCRIPT, str(tiny_verifier_dir), str(out)]
-        + [str(tmp_path / "spec"), str(tmp_path / "flat")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    baseline = result.pop("baseline")
-    spec, flat = result[str(tmp_path / "spec")], result[str(tmp_path / "flat")]
-    assert spec["tokens"] == baseline["tokens"] and flat["tokens"] == baseline["tokens"]
-    assert flat["counters"] == spec["counters"]
+    spec = serve_both_exports(tiny_verifier_dir, tmp_path)
     assert spec["counters"]["vllm:spec_decode_num_drafts"][0] > 0

@@ -14,11 +14,11 @@ stores what `layers` names (and DVC tracks it), so the profile writes the checkp
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from eagle3_pipeline import atomic
 from eagle3_pipeline.errors import CheckpointError
 from eagle3_pipeline.layer_ids import resolve_layer_ids
 from eagle3_pipeline.params import Params
@@ -171,15 +171,7 @@ def read_init_config(path: str | Path) -> tuple[dict[str, Any], Path]:
     path = Path(path)
     file = path if path.suffix == ".json" and not path.is_dir() else path / "config.json"
     fix = "point train.init_from at a drafter directory (or pass --init-config PATH)"
-    if not file.is_file():
-        raise CheckpointError(f"{file}: not found: {fix}")
-    try:
-        config = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{file}: not valid JSON (line {exc.lineno}): {fix}") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{file}: top level is not a JSON object: {fix}")
-    return config, file
+    return atomic.read_json_object(file, CheckpointError, fix), file
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,11 @@ init drafter's config.json. Never weights: the plan must run before any download
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline import atomic
 from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.drafter.conventions import read_init_config
 from eagle3_pipeline.errors import VerifierError
@@ -28,23 +28,13 @@ class VerifierShape:
     remote_code: bool
 
 
+DAMAGED_TOKENIZER = "the verifier's tokenizer files are damaged"
+
+
 def _config_file(path: str | Path) -> Path:
     """A config.json itself, or the model directory holding it (existing or not)."""
     path = Path(path)
     return path if path.suffix == ".json" and not path.is_dir() else path / "config.json"
-
-
-def read_json(path: Path, error: type[Exception], fix: str) -> dict[str, Any]:
-    """A JSON object, or `error` as one line naming the file and the fix."""
-    if not path.is_file():
-        raise error(f"{path}: not found: {fix}")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise error(f"{path}: not valid JSON (line {exc.lineno}): {fix}") from None
-    if not isinstance(data, dict):
-        raise error(f"{path}: top level is not a JSON object: {fix}")
-    return data
 
 
 def tiny_verifier_config(params: Params) -> dict[str, Any]:
@@ -70,7 +60,7 @@ def load_verifier_config(params: Params, override: str | Path | None) -> tuple[d
         if params.verifier.source == "tiny" and not path.is_file():
             return tiny_verifier_config(params), None
     fix = "set verifier.path to the model directory or pass --verifier-config PATH"
-    config = read_json(path, VerifierError, fix)
+    config = atomic.read_json_object(path, VerifierError, fix)
     if override is None and params.verifier.source == "tiny":
         tiny, built = params.verifier.tiny, vf.text_config(config)
         if (built.get("num_hidden_layers"), built.get("hidden_size")) != (
@@ -104,7 +94,9 @@ def tokenizer_tokens(directory: Path) -> tuple[str, set[str]] | None:
     read: list[str] = []
     tok_json = directory / "tokenizer.json"
     if tok_json.is_file():
-        data = read_json(tok_json, VerifierError, "the verifier's tokenizer files are damaged")
+        data = atomic.read_json_object(
+            tok_json, VerifierError, "the verifier's tokenizer files are damaged"
+        )
         tokens |= {t.get("content", "") for t in data.get("added_tokens") or []}
         vocab = (data.get("model") or {}).get("vocab")
         if isinstance(vocab, dict):
@@ -112,7 +104,9 @@ def tokenizer_tokens(directory: Path) -> tuple[str, set[str]] | None:
         read.append(tok_json.name)
     tok_cfg = directory / "tokenizer_config.json"
     if tok_cfg.is_file():
-        data = read_json(tok_cfg, VerifierError, "the verifier's tokenizer files are damaged")
+        data = atomic.read_json_object(
+            tok_cfg, VerifierError, "the verifier's tokenizer files are damaged"
+        )
         decoder = data.get("added_tokens_decoder") or {}
         tokens |= {t.get("content", "") for t in decoder.values() if isinstance(t, dict)}
         read.append(tok_cfg.name)
