@@ -175,8 +175,10 @@ def test_signal_raises_training_interrupted(inputs: dict[str, Any], tmp_path: Pa
     def interrupt(metrics: dict, step: int) -> None:
         os.kill(os.getpid(), signal.SIGINT)  # speculators' handler catches it (as SIGTERM)
 
+    # The handler before the run: Python's default, or SIG_IGN when started as a background job.
+    before = signal.getsignal(signal.SIGINT)
     with pytest.raises(TrainingInterrupted):
         train_tiny(inputs, tmp_path, on_metrics=interrupt)
     assert (tmp_path / "ckpt" / "interrupted" / "model.safetensors").is_file()
     assert not (tmp_path / "ckpt" / "0").exists()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # restored
