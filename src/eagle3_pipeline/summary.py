@@ -23,12 +23,13 @@ def provenance_problem(params_file: str = "params.yaml") -> str | None:
     if not EVAL_RECORD.is_file():
         return f"{EVAL_RECORD} not found: nothing says which params {EVAL} was measured with"
     record = json.loads(EVAL_RECORD.read_text())
-    now = provenance.params_sha256(load_params(params_file))
+    params = load_params(params_file)
+    now = provenance.params_sha256(params)
     if record.get("params_sha256") != now:
         return (
             f"{EVAL} was measured with other params than {params_file} holds now (recorded "
             f"{record.get('recorded_at')} at commit {str(record.get('git_commit'))[:12]}, "
-            f"profile {record.get('profile')}; current profile {load_params(params_file).profile})"
+            f"profile {record.get('profile')}; current profile {params.profile})"
             ": these are NOT the numbers of the current params; run `dvc repro` (make train)"
         )
     return None
