@@ -64,7 +64,7 @@ endif
 train: venv profile
 	$(BIN)/eagle3 plan
 	$(BIN)/dvc repro
-	@$(PY) -m eagle3_pipeline.summary
+	@$(PY) -m eagle3_pipeline.report.summary
 	@$(MAKE) --no-print-directory report
 
 repro: train

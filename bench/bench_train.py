@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO / "src"))
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from eagle3_pipeline import atomic  # noqa: E402
+from eagle3_pipeline import atomic, readers  # noqa: E402
 from eagle3_pipeline.store import format as store  # noqa: E402
 from eagle3_pipeline.training.data import (  # noqa: E402
     TrainingSample,
@@ -62,7 +62,7 @@ def _training_inputs(work: Path) -> tuple[Path, int, int, int]:
     samples: list[TrainingSample] = []
     n_train, tokens = 0, 0
     for split in ("train", "val"):
-        for row in atomic.read_jsonl(DATA / "tokenized" / f"{split}.jsonl"):
+        for row in readers.read_jsonl(DATA / "tokenized" / f"{split}.jsonl"):
             entry = manifest["samples"][row["id"]]
             samples.append(
                 {

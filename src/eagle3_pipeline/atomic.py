@@ -63,24 +63,6 @@ def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> Path:
     return write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
-def read_json_object(path: Path, error: type[Exception], fix: str) -> dict[str, Any]:
-    """A JSON object, or `error` as one line naming the file and the fix."""
-    if not path.is_file():
-        raise error(f"{path}: not found: {fix}")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise error(f"{path}: not valid JSON (line {exc.lineno}): {fix}") from None
-    if not isinstance(data, dict):
-        raise error(f"{path}: top level is not a JSON object: {fix}")
-    return data
-
-
 @contextlib.contextmanager
 def replace_dir(path: str | Path) -> Iterator[Path]:
     """Yield a fresh temp directory beside `path`; on success it replaces `path` whole."""

@@ -21,7 +21,7 @@ from pydantic import (
 
 from eagle3_pipeline import paths
 from eagle3_pipeline.errors import ParamsError
-from eagle3_pipeline.layer_ids import resolve_layer_ids
+from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
 
 DEFAULT_PARAMS = Path("params.yaml")
 

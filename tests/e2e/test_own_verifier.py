@@ -61,7 +61,7 @@ def test_whole_dag_runs_offline(own: tuple[Path, Path]) -> None:
     gap = abs(online["mean_acceptance_length"] - offline["mean_acceptance_length"])
     assert gap / offline["mean_acceptance_length"] < 0.10
     assert offline["mean_acceptance_length"] > ev["offline"]["untrained"]["mean_acceptance_length"]
-    summary = run_in(repo, sys.executable, "-m", "eagle3_pipeline.summary")
+    summary = run_in(repo, sys.executable, "-m", "eagle3_pipeline.report.summary")
     assert "online (vLLM)" in summary
 
 

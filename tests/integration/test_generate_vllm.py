@@ -26,7 +26,7 @@ from fake_openai import DROP, error, fake_servers, sequence
 from fake_openai import reply as _reply
 from fake_openai import row_id as _row_id
 
-from eagle3_pipeline import atomic, resume
+from eagle3_pipeline import atomic, readers, resume
 from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving import chat as chat_client
@@ -73,7 +73,7 @@ def _params(verifier: Path, **generate_kw: Any) -> Params:
 
 def _output_rows(root: Path) -> list[dict]:
     out = root / "data/generated"
-    return atomic.read_jsonl(out / "train.jsonl") + atomic.read_jsonl(out / "val.jsonl")
+    return readers.read_jsonl(out / "train.jsonl") + readers.read_jsonl(out / "val.jsonl")
 
 
 def test_stage_failed_rows_go_to_the_sidecar_and_a_rerun_retries_only_them(
@@ -99,7 +99,7 @@ def test_stage_failed_rows_go_to_the_sidecar_and_a_rerun_retries_only_them(
     monkeypatch.setattr(ChatClient, "backoff", lambda self, attempt: 0.01)
     generate.run(params)
 
-    failed = atomic.read_jsonl(tmp_path / "data/generated/failed.jsonl")
+    failed = readers.read_jsonl(tmp_path / "data/generated/failed.jsonl")
     assert [f["id"] for f in failed] == ["q03", "q05"]
     assert failed[0]["reason"] == "HTTP 400: prompt is too long"
     assert failed[1]["reason"].startswith("HTTP 500: engine hiccup (gave up after 2 attempts")
@@ -128,7 +128,7 @@ def test_stage_failed_rows_go_to_the_sidecar_and_a_rerun_retries_only_them(
     generate.run(params.model_copy(update={"generate": params.generate.model_copy(update=knobs)}))
     assert sorted(other.requested_ids()) == ["q03", "q05"]
     assert sorted(r["id"] for r in _output_rows(tmp_path)) == ids
-    assert atomic.read_jsonl(tmp_path / "data/generated/failed.jsonl") == []
+    assert readers.read_jsonl(tmp_path / "data/generated/failed.jsonl") == []
 
 
 def test_stage_where_every_request_fails_is_anerror(tmp_path: Path, fake, monkeypatch) -> None:

@@ -28,7 +28,7 @@ from eagle3_pipeline.evaluation import online as oe
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving.server import ServerSpec
 from eagle3_pipeline.stages import evaluate
-from eagle3_pipeline.stages import verifier as verifier_stage
+from eagle3_pipeline.verifier import tiny as verifier_stage
 
 REPO = Path(__file__).resolve().parents[2]
 N_LAYERS = 5

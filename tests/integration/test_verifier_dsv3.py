@@ -18,11 +18,12 @@ from extract_fixtures import extract_params
 from extract_fixtures import write_tokenized as shared_write_tokenized
 from verifiers import REPO, build_tiny_dsv3_verifier
 
-from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.evaluation import offline as acceptance
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.stages import extract
 from eagle3_pipeline.store import format as store
+from eagle3_pipeline.verifier import identity as vf
+from eagle3_pipeline.verifier import loading
 
 N_LAYERS = 3
 AUX_IDS = [2, 1]  # out of order: vLLM returns them ascending (id 0: see the test below)
@@ -36,7 +37,7 @@ def verifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def load_hf(verifier: Path):
     params = Params.model_validate({"verifier": {"source": "pretrained", "path": str(verifier)}})
-    return vf.load_model(params)
+    return loading.load_model(params)
 
 
 def test_config_is_nested_like_kimi_k25(verifier: Path) -> None:
@@ -84,12 +85,12 @@ def test_checkpoint_uses_hub_names_and_head_matches_model(verifier: Path) -> Non
     assert not any(".blocks." in k for k in keys if k.startswith("language_model."))
 
     model = load_hf(verifier)
-    assert len(vf.decoder_layers(model)) == N_LAYERS
+    assert len(loading.decoder_layers(model)) == N_LAYERS
     ids = torch.arange(10, 50).unsqueeze(0)
     with torch.no_grad():
         out = model(input_ids=ids, output_hidden_states=True)
     final = out.hidden_states[N_LAYERS][0]  # after the norm in transformers 5 ...
-    pre_norm = vf.decoder_layers(model)[-1]
+    pre_norm = loading.decoder_layers(model)[-1]
     captured: list[torch.Tensor] = []
     handle = pre_norm.register_forward_hook(lambda _m, _a, o: captured.append(o))
     with torch.no_grad():

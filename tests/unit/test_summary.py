@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3_pipeline import provenance, summary
+from eagle3_pipeline import provenance
 from eagle3_pipeline.params import load_params
+from eagle3_pipeline.report import summary
 
 REPO = Path(__file__).resolve().parents[2]
 COUNTS = {

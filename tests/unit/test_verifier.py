@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.errors import VerifierError
 from eagle3_pipeline.params import load_params
+from eagle3_pipeline.verifier import identity as vf
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = {"num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 16}

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from eagle3_pipeline import atomic
+from eagle3_pipeline import readers
 from eagle3_pipeline.errors import CheckpointError
-from eagle3_pipeline.layer_ids import resolve_layer_ids
 from eagle3_pipeline.params import Params
+from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
 
 Convention = Literal["vllm", "sglang"]
 FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
@@ -171,7 +171,7 @@ def read_init_config(path: str | Path) -> tuple[dict[str, Any], Path]:
     path = Path(path)
     file = path if path.suffix == ".json" and not path.is_dir() else path / "config.json"
     fix = "point train.init_from at a drafter directory (or pass --init-config PATH)"
-    return atomic.read_json_object(file, CheckpointError, fix), file
+    return readers.read_json_object(file, CheckpointError, fix), file
 
 
 @dataclass(frozen=True)

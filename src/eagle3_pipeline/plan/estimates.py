@@ -71,14 +71,14 @@ def _templated_prompt_tokens(params: Params, source: Path) -> tuple[int, int] | 
     verifier's own chat template (its default system prompt included) and tokenized; or why not.
     """
     from eagle3_pipeline import chat_template, conversations
-    from eagle3_pipeline import verifier as vf
     from eagle3_pipeline.errors import PipelineError
+    from eagle3_pipeline.verifier import loading
 
     if not (Path(params.verifier.path) / "tokenizer_config.json").is_file():
         return f"no tokenizer in {params.verifier.path}"
     try:
         rows = conversations.load(source, params.prepare.trailing_assistant)
-        tokenizer = vf.load_tokenizer(params)
+        tokenizer = loading.load_tokenizer(params)
         kwargs = params.generate.chat_template_kwargs
         total = sum(
             len(

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import atomic
-from eagle3_pipeline import verifier as vf
+from eagle3_pipeline import readers
 from eagle3_pipeline.drafter.conventions import read_init_config
 from eagle3_pipeline.errors import VerifierError
 from eagle3_pipeline.params import Params
+from eagle3_pipeline.verifier import identity as vf
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def load_verifier_config(params: Params, override: str | Path | None) -> tuple[d
         if params.verifier.source == "tiny" and not path.is_file():
             return tiny_verifier_config(params), None
     fix = "set verifier.path to the model directory or pass --verifier-config PATH"
-    config = atomic.read_json_object(path, VerifierError, fix)
+    config = readers.read_json_object(path, VerifierError, fix)
     if override is None and params.verifier.source == "tiny":
         tiny, built = params.verifier.tiny, vf.text_config(config)
         if (built.get("num_hidden_layers"), built.get("hidden_size")) != (
@@ -94,7 +94,7 @@ def tokenizer_tokens(directory: Path) -> tuple[str, set[str]] | None:
     read: list[str] = []
     tok_json = directory / "tokenizer.json"
     if tok_json.is_file():
-        data = atomic.read_json_object(
+        data = readers.read_json_object(
             tok_json, VerifierError, "the verifier's tokenizer files are damaged"
         )
         tokens |= {t.get("content", "") for t in data.get("added_tokens") or []}
@@ -104,7 +104,7 @@ def tokenizer_tokens(directory: Path) -> tuple[str, set[str]] | None:
         read.append(tok_json.name)
     tok_cfg = directory / "tokenizer_config.json"
     if tok_cfg.is_file():
-        data = atomic.read_json_object(
+        data = readers.read_json_object(
             tok_cfg, VerifierError, "the verifier's tokenizer files are damaged"
         )
         decoder = data.get("added_tokens_decoder") or {}

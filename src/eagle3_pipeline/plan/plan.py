@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.drafter import conventions as conv
 from eagle3_pipeline.drafter.shape import (
     DrafterShape,
@@ -19,9 +18,10 @@ from eagle3_pipeline.drafter.shape import (
     drafter_from_verifier,
     parameter_groups,
 )
-from eagle3_pipeline.layer_ids import resolve_layer_ids
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.plan import checks, estimates, inputs
+from eagle3_pipeline.verifier import identity as vf
+from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
 
 
 @dataclass

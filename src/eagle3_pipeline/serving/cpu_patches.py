@@ -32,7 +32,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from eagle3_pipeline import verifier as vf
+from eagle3_pipeline.verifier import identity as vf
 
 BLOCK_SIZE = 16  # the CPU MLA kernel's only block size (csrc/cpu/mla_decode.cpp)
 MLA_WORKER = "eagle3_pipeline.serving.cpu_mla_worker.CpuMlaRope"

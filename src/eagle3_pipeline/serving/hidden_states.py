@@ -28,13 +28,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.errors import DataError, VerifierError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
 from eagle3_pipeline.serving import cpu_patches
 from eagle3_pipeline.serving.server import patch_cpu_kernel_rebind, server_env
 from eagle3_pipeline.serving.server_spec import model_args
+from eagle3_pipeline.verifier import identity as vf
 
 FAILED_SUFFIX = ".failed-"  # cpu_hs_connector.FAILED_SUFFIX, without importing vLLM
 _VLLM_DTYPES = {"float32", "bfloat16", "float16"}

@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import verifier as vf
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving.server import ServerSpec
+from eagle3_pipeline.verifier import identity as vf
 
 SERVED_NAME = "verifier"
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eagle3_pipeline import atomic, paths
-from eagle3_pipeline import verifier as vf
+from eagle3_pipeline import atomic, paths, readers
 from eagle3_pipeline.drafter import load as drafter
 from eagle3_pipeline.drafter.conventions import run_conventions
 from eagle3_pipeline.errors import DataError, ServerError, StoreError
@@ -24,6 +23,7 @@ from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
 from eagle3_pipeline.serving.server_spec import verifier_spec
 from eagle3_pipeline.store import format as store
+from eagle3_pipeline.verifier import identity as vf
 
 STAGE = "evaluate"
 DRAFTER_DIR = paths.DRAFTER
@@ -112,7 +112,7 @@ def val_conversations(limit: int) -> list[dict[str, Any]]:
     """The first `limit` prepared val rows (id + messages), in file order."""
     if not VAL_PROMPTS.is_file():
         raise DataError(f"{VAL_PROMPTS}: not found: run the prepare stage")
-    rows = atomic.read_jsonl(VAL_PROMPTS)[:limit]
+    rows = readers.read_jsonl(VAL_PROMPTS)[:limit]
     if not rows:
         raise DataError(f"{VAL_PROMPTS}: no val prompts: raise prepare.val_ratio")
     return rows

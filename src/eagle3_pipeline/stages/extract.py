@@ -30,14 +30,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3_pipeline import atomic, disk, paths, resume
-from eagle3_pipeline import verifier as vf
+from eagle3_pipeline import atomic, disk, paths, readers, resume
 from eagle3_pipeline.errors import DataError, StoreError
-from eagle3_pipeline.layer_ids import resolve_layer_ids
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.store import names
+from eagle3_pipeline.verifier import identity as vf
+from eagle3_pipeline.verifier import loading
+from eagle3_pipeline.verifier.capture import LayerCapture, forward_hidden_states
+from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
 
 if TYPE_CHECKING:
     import torch
@@ -72,75 +74,11 @@ def token_budget_batches(lengths: dict[str, int], max_tokens: int) -> list[list[
     return batches
 
 
-class LayerCapture:
-    """Forward hooks that record the residual stream at the requested layer ids.
-
-    Id k < N: the input of decoder layer k. Id N: the output of decoder layer N-1, which is the
-    stream BEFORE the final norm (transformers' hidden_states[N] is after it).
-    """
-
-    def __init__(self, model, layer_ids: list[int]) -> None:
-        import torch
-
-        self._torch = torch
-        self.layers = vf.decoder_layers(model)
-        self.layer_ids = layer_ids
-        self.captured: dict[int, torch.Tensor] = {}
-        self._handles = []
-        n = len(self.layers)
-        for lid in layer_ids:
-            if lid < n:
-                self._handles.append(
-                    self.layers[lid].register_forward_pre_hook(self._pre(lid), with_kwargs=True)
-                )
-            else:
-                self._handles.append(self.layers[n - 1].register_forward_hook(self._post(lid)))
-
-    def _pre(self, lid: int):
-        def hook(_module, args, kwargs):
-            hs = args[0] if args else kwargs["hidden_states"]
-            self.captured[lid] = hs.detach()
-
-        return hook
-
-    def _post(self, lid: int):
-        def hook(_module, _args, output):
-            hs = output[0] if isinstance(output, tuple) else output
-            self.captured[lid] = hs.detach()
-
-        return hook
-
-    def stacked(self):
-        """[batch, seq, n_ids, hidden] in layer_ids order."""
-        return self._torch.stack([self.captured[i] for i in self.layer_ids], dim=2)
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-
-def forward_hidden_states(model, capture: LayerCapture, batch_ids: list[list[int]]):
-    """Run one right-padded batch; return [batch, max_len, n_ids, hidden]."""
-    import torch
-
-    max_len = max(len(x) for x in batch_ids)
-    input_ids = torch.zeros(len(batch_ids), max_len, dtype=torch.long)
-    mask = torch.zeros(len(batch_ids), max_len, dtype=torch.long)
-    for i, ids in enumerate(batch_ids):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        mask[i, : len(ids)] = 1
-    capture.captured.clear()
-    with torch.no_grad():
-        base = getattr(model, "model", model)  # skip lm_head: only hidden states are needed
-        base(input_ids=input_ids, attention_mask=mask, use_cache=False)
-    return capture.stacked()
-
-
 @contextlib.contextmanager
 def hf_backend(params: Params, layer_ids: list[int]) -> Iterator[BatchFn]:
     """transformers forward with hooks; right-padded batches, padding cut off per sample."""
 
-    model = vf.load_model(params)
+    model = loading.load_model(params)
     capture = LayerCapture(model, layer_ids)
 
     def run_batch(batch_ids: list[list[int]]) -> list[torch.Tensor]:
@@ -287,7 +225,7 @@ def run(params: Params, shard: tuple[int, int] | None = None) -> None:
     rows = {
         r["id"]: r
         for split in ("train", "val")
-        for r in atomic.read_jsonl(INPUT_DIR / f"{split}.jsonl")
+        for r in readers.read_jsonl(INPUT_DIR / f"{split}.jsonl")
     }
     names.check_unique(list(rows), str(INPUT_DIR))
     layout = store.StoreLayout(aux, final, hidden, params.extract.store_dtype, vf.identity(params))

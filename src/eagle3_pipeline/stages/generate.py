@@ -15,14 +15,15 @@ import hashlib
 from collections.abc import Iterator
 from typing import Any
 
-from eagle3_pipeline import atomic, chat_template, paths, resume
-from eagle3_pipeline import verifier as vf
+from eagle3_pipeline import atomic, chat_template, paths, readers, resume
 from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
 from eagle3_pipeline.serving import server as vllm_server
 from eagle3_pipeline.serving.chat import ChatClient, ChatReply, Outcome, complete_all
 from eagle3_pipeline.serving.server_spec import SERVED_NAME, verifier_spec
+from eagle3_pipeline.verifier import identity as vf
+from eagle3_pipeline.verifier import loading
 
 STAGE = "generate"
 INPUT_DIR = paths.PREPARED
@@ -51,7 +52,7 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
 def _rows(params: Params) -> list[dict]:
     rows = []
     for split in ("train", "val"):
-        for r in atomic.read_jsonl(INPUT_DIR / f"{split}.jsonl"):
+        for r in readers.read_jsonl(INPUT_DIR / f"{split}.jsonl"):
             rows.append(r | {"split": split})
     return sorted(rows, key=lambda r: r["id"])
 
@@ -86,9 +87,9 @@ def _generate_hf(
     import torch
 
     g = params.generate
-    tokenizer = vf.load_tokenizer(params)
+    tokenizer = loading.load_tokenizer(params)
     tokenizer.padding_side = "left"
-    model = vf.load_model(params)
+    model = loading.load_model(params)
     eos = tokenizer.eos_token
     for batch in batches:
         prompts = [chat_template.render_prompt(tokenizer, r, g.chat_template_kwargs) for r in batch]

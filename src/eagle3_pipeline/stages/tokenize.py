@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from eagle3_pipeline import atomic, chat_template, paths
-from eagle3_pipeline import verifier as vf
+from eagle3_pipeline import atomic, chat_template, paths, readers
 from eagle3_pipeline.errors import DataError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
+from eagle3_pipeline.verifier import loading
 
 STAGE = "tokenize"
 INPUT_DIR = paths.GENERATED
@@ -34,14 +34,14 @@ def tokenize_row(tokenizer, row: dict, max_seq_len: int, template_kwargs: dict) 
 
 
 def run(params: Params) -> None:
-    tokenizer = vf.load_tokenizer(params)
+    tokenizer = loading.load_tokenizer(params)
     kwargs = params.generate.chat_template_kwargs
     out: dict[str, list[dict]] = {}
     freq: Counter[int] = Counter()
     dropped = 0
     for split in ("train", "val"):
         rows = []
-        for r in atomic.read_jsonl(INPUT_DIR / f"{split}.jsonl"):
+        for r in readers.read_jsonl(INPUT_DIR / f"{split}.jsonl"):
             t = tokenize_row(tokenizer, r, params.tokenize.max_seq_len, kwargs)
             if sum(t["loss_mask"]) == 0:
                 dropped += 1

@@ -19,8 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_pipeline import atomic, disk, paths, resume
-from eagle3_pipeline import verifier as vf
+from eagle3_pipeline import atomic, disk, paths, readers, resume
 from eagle3_pipeline.drafter.conventions import RunConventions, run_conventions
 from eagle3_pipeline.errors import ParamsError, StoreError
 from eagle3_pipeline.params import Params
@@ -39,6 +38,7 @@ from eagle3_pipeline.training.data import (
 from eagle3_pipeline.training.launch import launch_torchrun, torchrun_command
 from eagle3_pipeline.training.metrics import MetricsSink, open_live, read_summary, trim_live
 from eagle3_pipeline.training.run import TrainSettings, run_training
+from eagle3_pipeline.verifier import identity as vf
 
 STAGE = "train"
 CHECKPOINT_FILES = ("config.json", "model.safetensors")
@@ -134,7 +134,7 @@ def _inputs(params: Params) -> TrainInputs:
 
 def _samples(manifest: dict) -> tuple[list[TrainingSample], int]:
     rows = {
-        split: atomic.read_jsonl(paths.TOKENIZED / f"{split}.jsonl") for split in ("train", "val")
+        split: readers.read_jsonl(paths.TOKENIZED / f"{split}.jsonl") for split in ("train", "val")
     }
     samples: list[TrainingSample] = []
     for split in ("train", "val"):  # speculators validates on the LAST rows

@@ -13,13 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import atomic, paths
-from eagle3_pipeline import verifier as vf
+from eagle3_pipeline import paths, readers
 from eagle3_pipeline.errors import StoreError
-from eagle3_pipeline.layer_ids import resolve_layer_ids
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
 from eagle3_pipeline.store import format as store
+from eagle3_pipeline.verifier import identity as vf
+from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
 
 TOKENIZED_DIR = paths.TOKENIZED
 STAGE = "store verify"
@@ -34,7 +34,7 @@ def _tokenized_rows() -> dict[str, dict[str, Any]]:
                 f"{path}: missing, so token ids cannot be checked: run `dvc repro tokenize` "
                 "or `dvc pull tokenize`"
             )
-        rows |= {r["id"]: r | {"split": split} for r in atomic.read_jsonl(path)}
+        rows |= {r["id"]: r | {"split": split} for r in readers.read_jsonl(path)}
     return rows
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from eagle3_pipeline.errors import DataError
-from eagle3_pipeline.stages.extract import LayerCapture, forward_hidden_states, token_budget_batches
+from eagle3_pipeline.stages.extract import token_budget_batches
+from eagle3_pipeline.verifier.capture import LayerCapture, forward_hidden_states
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline import atomic, resume
+from eagle3_pipeline import atomic, readers, resume
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.stages import generate
 
@@ -107,5 +107,5 @@ def test_hf_backend_without_reasoning_parser_keeps_the_whole_reply(
     params = _setup(tmp_path, tiny_verifier_dir)
     params.generate.reasoning_parser = None
     generate.run(params)
-    rows = atomic.read_jsonl(tmp_path / "data/generated/train.jsonl")
+    rows = readers.read_jsonl(tmp_path / "data/generated/train.jsonl")
     assert all(r["reasoning"] is None and r["content"] for r in rows)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline import atomic
+from eagle3_pipeline import readers
 from eagle3_pipeline.cli import main
 from eagle3_pipeline.conversations import load as load_prompts
 from eagle3_pipeline.errors import DataError
@@ -89,8 +89,8 @@ def test_output_rows(tmp_path: Path, capsys) -> None:
     rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"q {i}"}]} for i in range(50)]
     rc, _ = _run_prepare(tmp_path, "".join(json.dumps(r) + "\n" for r in rows), capsys)
     assert rc == 0
-    train = atomic.read_jsonl(tmp_path / "data/prepared/train.jsonl")
-    val = atomic.read_jsonl(tmp_path / "data/prepared/val.jsonl")
+    train = readers.read_jsonl(tmp_path / "data/prepared/train.jsonl")
+    val = readers.read_jsonl(tmp_path / "data/prepared/val.jsonl")
     assert len(train) + len(val) == 50 and {r["id"] for r in val} == {
         r["id"] for r in rows if is_val(r["id"], 0.1)
     }

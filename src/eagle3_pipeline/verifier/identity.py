@@ -1,4 +1,4 @@
-"""Access to the verifier: its (possibly nested) text config, tokenizer, weights and layers.
+"""What the verifier is: its (possibly nested) text config, shape, identity and code policy.
 
 Kimi-K2.5 is multimodal and keeps its language model's config under `text_config` (or
 `language_model`); everything here looks through that nesting so callers see one flat text config.
@@ -108,46 +108,3 @@ def check_remote_code(params: Params, config: dict[str, Any], where: str | None 
             "verifier.trust_remote_code is false: set verifier.trust_remote_code: true if you "
             "trust this model's code"
         )
-
-
-def load_tokenizer(params: Params):  # -> PreTrainedTokenizerBase
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(
-        params.verifier.path,
-        revision=params.verifier.revision,
-        trust_remote_code=params.verifier.trust_remote_code,
-    )
-
-
-def load_model(params: Params, dtype: str = "auto"):  # -> PreTrainedModel
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    config = read_config(params.verifier.path)
-    check_remote_code(params, config)
-    # A wrapper without remote code (transformers' own Kimi_K25) is no *ForCausalLM; its
-    # image-text-to-text class takes text alone and has generate() and lm_head all the same.
-    native_wrapper = is_multimodal_wrapper(config) and not needs_remote_code(config)
-    auto = AutoModelForImageTextToText if native_wrapper else AutoModelForCausalLM
-    model = auto.from_pretrained(
-        params.verifier.path,
-        revision=params.verifier.revision,
-        trust_remote_code=params.verifier.trust_remote_code,
-        dtype=dtype if dtype == "auto" else getattr(torch, dtype),
-    )
-    model.eval()
-    return model
-
-
-def decoder_layers(model) -> list:  # list[torch.nn.Module]
-    """The decoder layer list of a causal LM, wherever the wrapper keeps it."""
-    for path in ("model.layers", "model.language_model.layers", "language_model.model.layers"):
-        obj = model
-        for attr in path.split("."):
-            obj = getattr(obj, attr, None)
-            if obj is None:
-                break
-        if obj is not None:
-            return list(obj)
-    raise VerifierError(f"cannot find decoder layers in {type(model).__name__}")
