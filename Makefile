@@ -63,6 +63,7 @@ endif
 
 train: venv profile
 	$(BIN)/eagle3 plan
+	$(PY) scripts/dvc_deps.py
 	$(BIN)/dvc repro
 	@$(PY) -m eagle3_pipeline.report.summary
 	@$(MAKE) --no-print-directory report
@@ -133,5 +134,6 @@ docker-plan:
 docker:
 	$(DOCKER_RUN) $(ARGS)
 
-clean-work:
-	rm -rf data/.work
+# Resume state and caches of every stage; refused while a stage holds its lock.
+clean-work: venv
+	$(BIN)/eagle3 clean-work

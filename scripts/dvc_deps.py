@@ -1,13 +1,14 @@
-"""Each DVC stage's code deps = the package modules it imports, transitively; rewrite dvc.yaml.
+"""Each DVC stage's deps = the package modules it imports, transitively, plus the files its path
+params point to (`verifier.tiny.corpus`, `train.init_from`) where no other dep holds them.
 
 `python scripts/dvc_deps.py` rewrites the `${pkg}/...` lines of every stage in dvc.yaml from the
-import closure of `eagle3_pipeline.stages.<stage>` (other deps, data and params, stay as they
-are); `--check` only reports. tests/unit/test_dvc_yaml.py runs the same closure.
+import closure of `eagle3_pipeline.stages.<stage>` and the `# param:` lines from params.yaml
+(other deps, data and params, stay as they are); `--check` only reports. `make train` runs it
+before `dvc repro`; tests/unit/test_dvc_yaml.py runs the same closure.
 """
 
 from __future__ import annotations
 
-import ast
 import re
 import sys
 from pathlib import Path
@@ -15,52 +16,17 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-PKG = REPO / "src/eagle3_pipeline"
+sys.path.insert(0, str(REPO / "src"))
+
+from eagle3_pipeline import stage_deps  # noqa: E402
+from eagle3_pipeline.params import Params, load_params  # noqa: E402
+
+PKG = stage_deps.PKG
+closure = stage_deps.closure
+imports = stage_deps.imports
 
 
-def module_file(name: str) -> Path:
-    rel = name.removeprefix("eagle3_pipeline").lstrip(".").replace(".", "/")
-    path = PKG / f"{rel}.py"
-    return path if path.is_file() else PKG / rel / "__init__.py"
-
-
-def imports(path: Path) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if (
-            isinstance(node, ast.ImportFrom)
-            and node.module
-            and node.module.startswith("eagle3_pipeline")
-        ):
-            # `from pkg import mod` imports pkg/mod.py when mod is a module, not a name
-            rel = node.module.removeprefix("eagle3_pipeline").lstrip(".").replace(".", "/")
-            package = PKG / rel
-            if package.is_dir():
-                found |= {
-                    f"{node.module}.{a.name}"
-                    for a in node.names
-                    if (package / f"{a.name}.py").is_file()
-                }
-            else:
-                found.add(node.module)
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("eagle3_pipeline.")}
-    return found
-
-
-def closure(module: str) -> set[Path]:
-    seen: set[str] = set()
-    todo = [module]
-    while todo:
-        m = todo.pop()
-        if m in seen:
-            continue
-        seen.add(m)
-        todo.extend(imports(module_file(m)))
-    return {module_file(m) for m in seen if module_file(m).name != "__init__.py"}
-
-
-def stage_deps(stage: str) -> list[str]:
+def stage_deps_lines(stage: str) -> list[str]:
     """The stage's own module first, then package modules by folder, then top-level ones."""
     rels = sorted(str(p.relative_to(PKG)) for p in closure(f"eagle3_pipeline.stages.{stage}"))
     own = f"stages/{stage}.py"
@@ -68,25 +34,41 @@ def stage_deps(stage: str) -> list[str]:
     return [own] + [r for r in rels if "/" in r] + [r for r in rels if "/" not in r]
 
 
-def rewrite(text: str, stages: list[str]) -> str:
+def rewrite(text: str, stages: list[str], params: Params | None = None) -> str:
     for stage in stages:
         m = re.search(rf"(\n  {stage}:\n    cmd: [^\n]*\n    deps:\n)((?:      - [^\n]*\n)+)", text)
         if m is None:
             raise SystemExit(f"dvc.yaml: stage {stage}: expected `cmd:` then `deps:` lines")
-        others = [line for line in m.group(2).splitlines(True) if "${pkg}" not in line]
-        code = "".join(f"      - ${{pkg}}/{r}\n" for r in stage_deps(stage))
-        text = text.replace(m.group(0), m.group(1) + code + "".join(others))
+        others = [
+            line
+            for line in m.group(2).splitlines(True)
+            if "${pkg}" not in line and stage_deps.PARAM_MARK not in line
+        ]
+        code = "".join(f"      - ${{pkg}}/{r}\n" for r in stage_deps_lines(stage))
+        wanted = stage_deps.path_params(stage, params) if params is not None else {}
+        literal = [ln.split("- ", 1)[1].split(" #")[0].strip() for ln in others]
+        literal = [d for d in literal if "${" not in d]
+        extra = "".join(
+            f"      - {path}  {stage_deps.PARAM_MARK}{key}\n"
+            for key, path in wanted.items()
+            if not stage_deps.covered(path, literal, REPO)
+        )
+        text = text.replace(m.group(0), m.group(1) + code + "".join(others) + extra)
     return text
 
 
 def main(argv: list[str]) -> int:
     dvc_yaml = REPO / "dvc.yaml"
     text = dvc_yaml.read_text()
-    new = rewrite(text, list(yaml.safe_load(text)["stages"]))
+    params_file = REPO / "params.yaml"
+    params = load_params(params_file) if params_file.is_file() else None
+    new = rewrite(text, list(yaml.safe_load(text)["stages"]), params)
     if "--check" in argv:
         print("dvc.yaml deps match the imports" if new == text else "dvc.yaml deps are stale")
         return int(new != text)
-    dvc_yaml.write_text(new)
+    if new != text:
+        dvc_yaml.write_text(new)
+        print("dvc.yaml: stage deps rewritten (imports and path params)")
     return 0
 
 

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from eagle3_pipeline import disk, paths, stage_lock
+from eagle3_pipeline import disk, paths, stage_deps, stage_lock
 from eagle3_pipeline.errors import PipelineError
 from eagle3_pipeline.serving.server import vllm_env_defaults
 
@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(sub)
     _add_store_parser(sub)
     _add_provenance_parser(sub)
+    p = sub.add_parser(
+        "clean-work",
+        help="empty data/.work/ (resume state, caches); refused while a stage runs",
+    )
+    p.add_argument("--params", default="params.yaml", help=argparse.SUPPRESS)
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 
 
@@ -142,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from eagle3_pipeline.params import load_params
 
+        if args.stage == "clean-work":
+            removed = stage_lock.clean_scratch()
+            print(f"{paths.SCRATCH}: removed {len(removed)} entries", flush=True)
+            return 0
         params = load_params(args.params)
         if args.stage == "plan":
             _run_plan(args, params)
@@ -155,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage == "provenance":
             print(provenance.show(args.target), flush=True)
             return 0
+        stage_deps.check_path_params(args.stage, params)
         module = importlib.import_module(f"eagle3_pipeline.stages.{args.stage}")
         t0 = time.monotonic()
         shard = getattr(args, "shard", None)

@@ -127,7 +127,9 @@ class VocabParams(_Strict):
 
 
 class DrafterFlagsParams(_Strict):
-    """What the drafter's norms do, in speculators'/vLLM's meaning (FACTS.md, "EAGLE-3 flags").
+    """What the drafter's norms do, in speculators'/vLLM's meaning.
+
+    docs/conventions.md, "Drafter config flags", says what each tool means by each flag.
 
     null = the init checkpoint's (train.init_from), or speculators 0.9's trainer defaults
     without one (norm_before_residual, norm_before_fc and norm_output true, fc_norm false).

@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 PROMPTS = Path("data/prompts")
-CORPUS = Path("data/corpus/verifier_corpus.jsonl")
+CORPUS_DIR = Path("data/corpus")  # committed text the tiny verifiers train on
+CORPUS = CORPUS_DIR / "verifier_corpus.jsonl"
 VERIFIER = Path("data/verifier")
 PREPARED = Path("data/prepared")
 GENERATED = Path("data/generated")

@@ -111,3 +111,38 @@ def sweep(stage: str) -> list[Path]:
                 tmp.unlink(missing_ok=True)
             removed.append(tmp)
     return removed
+
+
+def clean_scratch() -> list[Path]:
+    """Empty data/.work/ (resume state, vLLM caches) unless a stage is running: every existing
+    lock is taken first, so a running stage's scratch is never deleted under it."""
+    held: list[int] = []
+    busy: list[str] = []
+    try:
+        for path in sorted(LOCKS.glob("*.lock")) if LOCKS.is_dir() else []:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                busy.append(f"{path.stem} ({_holder(fd)})")
+                os.close(fd)
+                continue
+            held.append(fd)
+        if busy:
+            raise StageBusyError(
+                f"{paths.SCRATCH} is in use by {len(busy)} running stage(s): {'; '.join(busy)}: "
+                "wait for them to end or stop them, then clean"
+            )
+        removed = []
+        for entry in sorted(paths.SCRATCH.iterdir()) if paths.SCRATCH.is_dir() else []:
+            if entry == LOCKS:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            removed.append(entry)
+        return removed
+    finally:
+        for fd in held:
+            os.close(fd)

@@ -160,3 +160,22 @@ def test_lock_is_released_when_the_block_raises(
     t0 = time.monotonic()
     with stage_lock.hold("vocab"):
         assert time.monotonic() - t0 < 1
+
+
+def test_clean_work_is_refused_while_a_stage_runs_and_empties_scratch_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (paths.SCRATCH / "generate").mkdir(parents=True)
+    (paths.SCRATCH / "generate/done.jsonl").write_text("{}\n")
+    proc = _hold_in_child(tmp_path, "generate")
+    try:
+        run = subprocess.run([EAGLE3, "clean-work"], cwd=tmp_path, capture_output=True, text=True)
+        assert run.returncode == 2 and "generate (pid " in run.stderr, run.stderr
+        assert (paths.SCRATCH / "generate/done.jsonl").is_file()  # nothing deleted
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    run = subprocess.run([EAGLE3, "clean-work"], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert not (paths.SCRATCH / "generate").exists() and stage_lock.LOCKS.is_dir()

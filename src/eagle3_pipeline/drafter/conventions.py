@@ -1,7 +1,7 @@
 """The drafter's conventions: which verifier layers `fc` reads and how its norms are wired.
 
 A drafter's tensors mean something only with the features and wiring they were trained with
-(FACTS.md, "EAGLE-3 flags: same names, different meanings"). `read_conventions` reads what a
+(docs/conventions.md, "Drafter config flags"). `read_conventions` reads what a
 drafter config.json says, by the tool that wrote it; `run_conventions` is THE place that decides
 the run's conventions from params and, with `train.init_from`, from the init checkpoint: train
 (TrainSettings -> speculators), export (the config flags, written once), evaluate and plan all

@@ -27,10 +27,11 @@ aux layers and 1 decoder layer, and silently ignores an `input_norm.weight`. A d
 any of them cannot be expressed there: `check_server` refuses it.
 
 A flat file that this pipeline did not write (no `eagle3_pipeline.layer_convention`) is read as
-SpecForge wrote it (FACTS.md, "EAGLE-3 flags"): ids in SGLang's convention, `fc_norm` as
-written, no norm before fc, and `norm_output` in SpecForge's meaning (absent or true = logits
-from norm(h) with the pre-norm state chained, i.e. speculators' false; false = no final norm,
-which neither speculators nor vLLM computes: refused). `read_conventions` is that one reading.
+SpecForge wrote it (docs/conventions.md, "Drafter config flags"): ids in SGLang's convention,
+`fc_norm` as written, no norm before fc, and `norm_output` in SpecForge's meaning (absent or
+true = logits from norm(h) with the pre-norm state chained, i.e. speculators' false; false = no
+final norm, which neither speculators nor vLLM computes: refused). `read_conventions` is that
+one reading.
 """
 
 from __future__ import annotations

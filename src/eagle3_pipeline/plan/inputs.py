@@ -94,9 +94,7 @@ def tokenizer_tokens(directory: Path) -> tuple[str, set[str]] | None:
     read: list[str] = []
     tok_json = directory / "tokenizer.json"
     if tok_json.is_file():
-        data = readers.read_json_object(
-            tok_json, VerifierError, "the verifier's tokenizer files are damaged"
-        )
+        data = readers.read_json_object(tok_json, VerifierError, DAMAGED_TOKENIZER)
         tokens |= {t.get("content", "") for t in data.get("added_tokens") or []}
         vocab = (data.get("model") or {}).get("vocab")
         if isinstance(vocab, dict):
@@ -104,9 +102,7 @@ def tokenizer_tokens(directory: Path) -> tuple[str, set[str]] | None:
         read.append(tok_json.name)
     tok_cfg = directory / "tokenizer_config.json"
     if tok_cfg.is_file():
-        data = readers.read_json_object(
-            tok_cfg, VerifierError, "the verifier's tokenizer files are damaged"
-        )
+        data = readers.read_json_object(tok_cfg, VerifierError, DAMAGED_TOKENIZER)
         decoder = data.get("added_tokens_decoder") or {}
         tokens |= {t.get("content", "") for t in decoder.values() if isinstance(t, dict)}
         read.append(tok_cfg.name)

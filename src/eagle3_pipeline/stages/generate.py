@@ -15,7 +15,7 @@ import hashlib
 from collections.abc import Iterator
 from typing import Any
 
-from eagle3_pipeline import atomic, chat_template, paths, readers, resume
+from eagle3_pipeline import atomic, chat_template, paths, readers, resume, stage_deps
 from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
@@ -234,6 +234,7 @@ def _fingerprint(params: Params) -> str:
         resume.file_sha256(INPUT_DIR / "train.jsonl"),
         resume.file_sha256(INPUT_DIR / "val.jsonl"),
         vf.files_stamp(params.verifier.path),
+        stage_deps.code_sha256(STAGE),  # rows made by older code never survive a code fix
     )
 
 

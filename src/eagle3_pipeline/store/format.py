@@ -181,18 +181,6 @@ def temp_name(root: Path, name: str) -> Path:
     return root / f".{name}.{os.getpid()}.tmp"
 
 
-def write_sample(
-    root: Path,
-    sample_id: str,
-    hidden_states: torch.Tensor,
-    token_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    layout: StoreLayout,
-) -> dict[str, Any]:
-    """Write one sample atomically; return its manifest entry."""
-    return write_samples(root, [(sample_id, hidden_states, token_ids, loss_mask)], layout)[0]
-
-
 def decode(raw: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> dict:
     """What readers see: fp8 files dequantized (scales dropped), bf16 files as stored."""
     if SCALES_KEY not in raw:

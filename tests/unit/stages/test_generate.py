@@ -78,6 +78,19 @@ def test_resume_after_kill(tmp_path: Path, tiny_verifier_dir: Path, monkeypatch)
     assert all(set(r) >= {"reasoning", "content", "finish_reason", "messages"} for r in rows)
 
 
+def test_rows_from_older_code_do_not_survive_a_code_fix(
+    tmp_path: Path, tiny_verifier_dir: Path, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    params = _setup(tmp_path, tiny_verifier_dir)
+    key = generate._fingerprint(params)
+    assert generate._fingerprint(params) == key
+    real = generate.stage_deps.code_sha256
+    assert real("generate") == real("generate")
+    monkeypatch.setattr(generate.stage_deps, "code_sha256", lambda stage: real(stage) + "-fixed")
+    assert generate._fingerprint(params) != key  # a new scratch folder: no old row reused
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather"}}]
 
 
