@@ -103,7 +103,7 @@ push: venv
 pull: venv
 	$(BIN)/dvc pull $(TARGETS)
 
-# Benchmarks (numbers go to stdout and bench/results/; targets in README, not timed tests).
+# Benchmarks (numbers go to stdout and bench/results/; targets in docs/development.md, not timed tests).
 bench: venv
 	@set -e; for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b; done
 

@@ -4,9 +4,9 @@ vLLM's own greedy-equality tests (`check_logprobs_close`, tests/models/utils.py)
 runs diverge where each side's token is among the other side's top-k logprobs, and stop
 comparing there: after a divergence the prefixes differ. Exact equality is too strict for
 speculative decoding: the verifier scores drafts in one multi-token step, the baseline one token
-at a time, and different kernels round differently (bf16 on GPU; the MLA path on CPU, see the
-README), so where the verifier's top two tokens are nearly tied either may win. What must never
-happen is a divergence where the baseline was sure: that is a verifier accepting wrong tokens.
+at a time, and different kernels round differently (bf16 on GPU; the MLA path on CPU, see
+docs/mla-on-cpu.md), so where the verifier's top two tokens are nearly tied either may win. What
+must never happen is a divergence where the baseline was sure: a verifier accepting wrong tokens.
 
 Three outcomes per prompt, at its first differing token:
 - identical;

@@ -1,4 +1,4 @@
-"""Layer-id convention shared by every stage: vLLM's (README, "Layer ids").
+"""Layer-id convention shared by every stage: vLLM's (docs/conventions.md, "Layer ids").
 
 Id k < N is the residual stream entering decoder layer k (transformers' hidden_states[k]);
 id N is the output of the LAST decoder layer before the final norm. transformers'
