@@ -15,10 +15,17 @@ os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-from verifiers import build_tiny_verifier  # noqa: E402
+from verifiers import build_tiny_dsv3_verifier, build_tiny_verifier  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shared seeded verifier (5 training steps), servable by vLLM on CPU."""
     return build_tiny_verifier(tmp_path_factory.mktemp("verifier") / "verifier")
+
+
+@pytest.fixture(scope="session")
+def tiny_dsv3_verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny-dsv3 verifier (Kimi-K2.5's nesting around a DeepSeek-V3 MLA + MoE text model),
+    built once for its unit tests and its vLLM test."""
+    return build_tiny_dsv3_verifier(tmp_path_factory.mktemp("dsv3") / "verifier")

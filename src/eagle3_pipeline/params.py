@@ -190,6 +190,10 @@ class EvaluateParams(_Strict):
     # near_tie_nats (measured here: the two runs' logprobs differ by up to ~0.07 nats).
     top_logprobs: int = Field(5, ge=1, le=20)
     near_tie_nats: float = Field(0.1, ge=0.0)
+    # Start the servers without and with the drafter at once, then measure them in turn: one
+    # start-up's wait instead of two, where memory holds two verifiers (the CPU profiles); never
+    # on a node whose verifier fills its GPUs.
+    start_servers_together: bool = False
 
 
 class Params(_Strict):

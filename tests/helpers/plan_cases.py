@@ -21,7 +21,7 @@ from eagle3_pipeline.cli import main
 from eagle3_pipeline.params import load_params
 from eagle3_pipeline.plan import plan
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 PROFILE = REPO / "profiles/kimi-k2.5.yaml"
 KIMI = REPO / "tests/fixtures/kimi-k2.5/config.json"
 AQ_MEDAI = REPO / "tests/fixtures/aq-medai-kimi-k25-eagle3/config.json"

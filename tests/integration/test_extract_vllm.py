@@ -3,49 +3,29 @@
 The vLLM test runs the real stage twice in a temp dir (hf, then vllm) on the same samples and
 compares the stored files: token ids exactly, hidden states within bf16 rounding for every layer
 id. Aux ids are listed out of order and include 0 (the embeddings) so that the one translation
-between the conventions (vLLM returns layers in ascending order) is exercised.
+between the conventions (vLLM returns layers in ascending order) is exercised. Without vLLM: the
+layer order and length check (tests/unit/serving/test_hidden_states.py), resume after a kill
+(tests/unit/stages/test_extract.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from extract_fixtures import extract_params
-from extract_fixtures import write_tokenized as shared_write_tokenized
+from extract_llama_case import AUX_IDS, N_LAYERS, make_params, write_tokenized
 
-from eagle3_pipeline.errors import DataError
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving import hidden_states as vllm_extract
 from eagle3_pipeline.stages import extract
 from eagle3_pipeline.store import format as store
-
-AUX_IDS = [5, 0, 3]
-N_LAYERS = 8  # the tiny_verifier_dir fixture
-LENGTHS = {"train": [7, 19, 33, 48, 61], "val": [26]}
 
 
 @pytest.fixture(scope="module")
 def verifier(tiny_verifier_dir: Path) -> Path:
     """The shared tiny verifier (head_dim 32, which vLLM's CPU attention needs)."""
     return tiny_verifier_dir
-
-
-def make_params(verifier: Path, backend: str) -> Params:
-    return extract_params(verifier, backend, AUX_IDS, N_LAYERS, max_tokens_per_batch=100)
-
-
-def write_tokenized(root: Path, vocab_size: int = 1024) -> dict[str, list[int]]:
-    return shared_write_tokenized(root, LENGTHS, vocab_size, prompt_tokens=2)
-
-
-def test_vllm_layer_order_is_ascending_and_inverted() -> None:
-    ordered, index = vllm_extract.vllm_layer_order([*AUX_IDS, N_LAYERS])
-    assert ordered == [0, 3, 5, 8]
-    assert [ordered[i] for i in index] == [*AUX_IDS, N_LAYERS]
 
 
 @pytest.mark.vllm  # imports vLLM (through the CPU connector module)
@@ -71,37 +51,6 @@ def test_extra_args_cannot_turn_on_prefix_caching(verifier) -> None:
     kw = vllm_extract.engine_kwargs(params, [*AUX_IDS, N_LAYERS], Path("scratch"))
     assert kw["enable_prefix_caching"] is False and kw["dtype"] == "bfloat16"
     assert "api_key" not in kw  # a server-only flag
-
-
-def test_too_long_sample_is_refused_before_vllm_starts() -> None:
-    with pytest.raises(DataError, match="sample s1 has 300 tokens.*vllm.max_model_len"):
-        vllm_extract.check_prompt_lengths({"s0": 10, "s1": 300}, 256)
-
-
-def test_killed_run_redoes_at_most_one_batch(verifier, tmp_path, monkeypatch) -> None:
-    """Resume is the stage's, shared by both backends: a fake backend dies on its 2nd batch."""
-    monkeypatch.chdir(tmp_path)
-    prompts = write_tokenized(tmp_path)
-    n_batches = len(extract.token_budget_batches({s: len(p) for s, p in prompts.items()}, 100))
-    calls: list[int] = []
-
-    def fake_backend(fail_at: int | None):
-        def run_batch(batch: list[list[int]]) -> list[torch.Tensor]:
-            calls.append(len(batch))
-            if len(calls) == fail_at:
-                raise KeyboardInterrupt
-            return [torch.zeros(len(ids), len(AUX_IDS) + 1, 64) for ids in batch]
-
-        return lambda *_args: contextlib.nullcontext(run_batch)
-
-    params = make_params(verifier, "vllm")
-    monkeypatch.setattr(extract, "open_backend", fake_backend(fail_at=2))
-    with pytest.raises(KeyboardInterrupt):
-        extract.run(params)
-    monkeypatch.setattr(extract, "open_backend", fake_backend(fail_at=None))
-    extract.run(params)
-    assert n_batches == 3 and len(calls) == n_batches + 1  # batch 2 redone, batch 1 kept
-    assert store.read_manifest(Path("data/hidden_states"))["num_samples"] == len(prompts)
 
 
 def _store(root: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:

@@ -1,14 +1,11 @@
-"""generate, backend vllm.
-
-Fast tests: the stage's failed-row sidecar and its stop on a dead server, against a scripted fake
-server on 127.0.0.1 (the chat client itself: tests/unit/serving/test_chat.py). Marked `vllm`: the
-stage against a real vLLM server (reasoning split by its deepseek_r1 parser; resume after SIGKILL
-with no server left behind). One server is shared by the module; the killed stage starts its own.
+"""generate, backend vllm, against a real vLLM server: reasoning split by its deepseek_r1
+parser; resume after SIGKILL with no server left behind. One server is shared by the module; the
+killed stage starts its own. The stage against a scripted fake server:
+tests/unit/stages/test_generate.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,165 +14,20 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import requests
 import yaml
-from fake_openai import DROP, error, fake_servers, sequence
-from fake_openai import reply as _reply
 from fake_openai import row_id as _row_id
+from generate_workspace import output_rows, prepare_rows, vllm_params
+from server_procs import TAG_VAR, tagged_pids, wait_none_tagged
 
-from eagle3_pipeline import atomic, readers, resume
-from eagle3_pipeline.errors import ServerError
+from eagle3_pipeline import resume
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving import chat as chat_client
 from eagle3_pipeline.serving import server as vllm_server
 from eagle3_pipeline.serving.chat import ChatClient
 from eagle3_pipeline.stages import generate
-
-
-@pytest.fixture
-def fake() -> Iterator:
-    with fake_servers() as start:
-        yield start
-
-
-# ---------------------------------------------------------------------------------------------
-# the stage against the fake server
-
-
-def _prepare(root: Path, n: int) -> list[str]:
-    ids = [f"q{i:02d}" for i in range(n)]
-    rows = [{"id": i, "messages": [{"role": "user", "content": f"question {i}"}]} for i in ids]
-    cut = n - max(1, n // 5)
-    atomic.write_jsonl(root / "data/prepared/train.jsonl", rows[:cut])
-    atomic.write_jsonl(root / "data/prepared/val.jsonl", rows[cut:])
-    return ids
-
-
-def _fake_verifier(root: Path) -> Path:
-    path = root / "verifier"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps({"num_hidden_layers": 8}))
-    return path
-
-
-def _params(verifier: Path, **generate_kw: Any) -> Params:
-    return Params.model_validate(
-        {
-            "seed": 7,
-            "verifier": {"path": str(verifier)},
-            "generate": {"backend": "vllm", "max_new_tokens": 8} | generate_kw,
-        }
-    )
-
-
-def _output_rows(root: Path) -> list[dict]:
-    out = root / "data/generated"
-    return readers.read_jsonl(out / "train.jsonl") + readers.read_jsonl(out / "val.jsonl")
-
-
-def test_stage_failed_rows_go_to_the_sidecar_and_a_rerun_retries_only_them(
-    tmp_path: Path, fake, monkeypatch
-) -> None:
-    monkeypatch.chdir(tmp_path)
-    ids = _prepare(tmp_path, 10)
-
-    def healthy(body: dict) -> tuple[int, dict]:
-        rid = _row_id(body)
-        return _reply(f"think {rid}", f"answer {rid}" if rid != "q07" else None, "stop")
-
-    def flaky(body: dict) -> tuple[int, dict]:
-        rid = _row_id(body)
-        if rid == "q03":
-            return error(400, "prompt is too long")
-        if rid == "q05":
-            return error(500, "engine hiccup")
-        return healthy(body)
-
-    server = fake(flaky)
-    params = _params(_fake_verifier(tmp_path), server_url=server.url, max_retries=1)
-    monkeypatch.setattr(ChatClient, "backoff", lambda self, attempt: 0.01)
-    generate.run(params)
-
-    failed = readers.read_jsonl(tmp_path / "data/generated/failed.jsonl")
-    assert [f["id"] for f in failed] == ["q03", "q05"]
-    assert failed[0]["reason"] == "HTTP 400: prompt is too long"
-    assert failed[1]["reason"].startswith("HTTP 500: engine hiccup (gave up after 2 attempts")
-    rows = {r["id"]: r for r in _output_rows(tmp_path)}
-    assert sorted(rows) == [i for i in ids if i not in ("q03", "q05")]
-    assert rows["q01"] == {
-        "id": "q01",
-        "split": "train",
-        "messages": [{"role": "user", "content": "question q01"}],
-        "reasoning": "think q01",
-        "content": "answer q01",
-        "finish_reason": "stop",
-    }
-    assert rows["q07"]["content"] == ""  # vLLM's null content (nothing after </think>)
-    body = server.bodies[0]
-    assert body["model"] == "verifier" and body["max_tokens"] == 8
-    assert body["chat_template_kwargs"] == {"thinking": True}
-    assert body["skip_special_tokens"] is False
-    seeds = {_row_id(b): b["seed"] for b in server.bodies}
-    assert seeds["q01"] == generate._row_seed(7, "q01") != seeds["q02"]
-    assert server.requested_ids().count("q05") == 2 and server.requested_ids().count("q03") == 1
-
-    # Another server and other fetch settings: what rows contain is unchanged, the journal stays.
-    other = fake(healthy)
-    knobs = {"server_url": other.url, "concurrency": 2, "max_retries": 0}
-    generate.run(params.model_copy(update={"generate": params.generate.model_copy(update=knobs)}))
-    assert sorted(other.requested_ids()) == ["q03", "q05"]
-    assert sorted(r["id"] for r in _output_rows(tmp_path)) == ids
-    assert readers.read_jsonl(tmp_path / "data/generated/failed.jsonl") == []
-
-
-def test_stage_where_every_request_fails_is_anerror(tmp_path: Path, fake, monkeypatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    _prepare(tmp_path, 4)
-    server = fake(sequence(error(400, "max_tokens=4000 cannot be greater than max_model_len")))
-    params = _params(_fake_verifier(tmp_path), server_url=server.url)
-    with pytest.raises(ServerError, match=r"all 4 requests to .* failed, e\.g\. q00: HTTP 400"):
-        generate.run(params)
-    assert not (tmp_path / "data/generated").exists()
-
-
-def test_stage_stops_when_the_server_stops_answering(tmp_path: Path, fake, monkeypatch) -> None:
-    """A dead server costs one row's retries, not every remaining row's."""
-    monkeypatch.chdir(tmp_path)
-    ids = _prepare(tmp_path, 10)
-
-    def dies_after_three(body: dict) -> Any:
-        if len(server.bodies) <= 3:
-            return _reply("r", "c")
-        server.models_status = 503
-        return DROP
-
-    server = fake(dies_after_three)
-    monkeypatch.setattr(ChatClient, "backoff", lambda self, attempt: 0.01)
-    params = _params(_fake_verifier(tmp_path), server_url=server.url, concurrency=1, max_retries=2)
-    with pytest.raises(ServerError, match=r"stopped answering \(q03: connection error.*rerun to"):
-        generate.run(params)
-    assert server.requested_ids().count("q03") == 3  # one row's three attempts, then stop
-    assert len(server.bodies) <= 3 + 3 + 1  # + the next row, maybe already sent by the worker
-    journal = resume.Journal(tmp_path / "data/.work/generate/done.jsonl").read()
-    assert [r["id"] for r in journal] == ids[:3]
-    assert not (tmp_path / "data/generated").exists()
-
-
-def test_unreachable_server_url_is_a_one_lineerror(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    _prepare(tmp_path, 2)
-    url = f"http://127.0.0.1:{vllm_server.free_port()}"
-    with pytest.raises(ServerError, match="no answer from the server.*generate.server_url"):
-        generate.run(_params(_fake_verifier(tmp_path), server_url=url))
-
-
-# ---------------------------------------------------------------------------------------------
-# the stage against a real vLLM server
-
-from server_procs import TAG_VAR, tagged_pids, wait_none_tagged  # noqa: E402
 
 N_ROWS = 24
 SAMPLING = {"temperature": 1.0, "max_new_tokens": 48, "chat_template_kwargs": {"thinking": True}}
@@ -190,7 +42,7 @@ def vllm_verifier(tiny_verifier_dir: Path) -> Path:
 def served(vllm_verifier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One real server for the module, started as the stage starts its own."""
     tag = uuid.uuid4().hex
-    params = _params(vllm_verifier, **SAMPLING)
+    params = vllm_params(vllm_verifier, **SAMPLING)
     spec = generate.server_spec(params)
     spec.log_file = tmp_path_factory.mktemp("server") / "server.log"
     spec.env = {TAG_VAR: tag}
@@ -206,10 +58,10 @@ def test_rows_are_split_by_the_real_reasoning_parser(
     from transformers import AutoTokenizer
 
     monkeypatch.chdir(tmp_path)
-    _prepare(tmp_path, N_ROWS)
-    params = _params(vllm_verifier, server_url=served, concurrency=4, **SAMPLING)
+    prepare_rows(tmp_path, N_ROWS)
+    params = vllm_params(vllm_verifier, server_url=served, concurrency=4, **SAMPLING)
     generate.run(params)
-    rows = _output_rows(tmp_path)
+    rows = output_rows(tmp_path)
     assert len(rows) == N_ROWS
     assert all(isinstance(r["reasoning"], str) and "</think>" not in r["reasoning"] for r in rows)
     split = [r for r in rows if r["content"]]
@@ -236,7 +88,7 @@ def test_rows_are_split_by_the_real_reasoning_parser(
 
 
 def _write_repo(root: Path, verifier: Path) -> list[str]:
-    ids = _prepare(root, N_ROWS)
+    ids = prepare_rows(root, N_ROWS)
     params = {
         "verifier": {"path": str(verifier)},
         "generate": {"backend": "vllm", "concurrency": 1} | SAMPLING,
@@ -302,7 +154,7 @@ def test_sigkill_mid_run_leaves_no_server_and_a_rerun_resumes_by_id(
     assert sorted(requested) == sorted(set(ids) - before)
     journaled = [r["id"] for r in resume.Journal(journal).read()]
     assert sorted(journaled) == ids  # each row exactly once: none was requested twice
-    rows = _output_rows(tmp_path)
+    rows = output_rows(tmp_path)
     assert sorted(r["id"] for r in rows) == ids
     assert all(
         set(r) == {"id", "split", "messages", "reasoning", "content", "finish_reason"} for r in rows

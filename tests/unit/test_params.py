@@ -89,11 +89,3 @@ def test_default_aux_ids_need_seven_layers(tmp_path: Path) -> None:
 
     with pytest.raises(ParamsError, match="at least 7"):
         load_params(_write(tmp_path, mutate))
-
-
-def test_default_layer_ids_resolve() -> None:
-    from eagle3_pipeline.params import LayersParams
-    from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
-
-    assert resolve_layer_ids(LayersParams(), 8) == ([2, 4, 5], 8)
-    assert resolve_layer_ids(LayersParams(), 61) == ([2, 30, 58], 61)

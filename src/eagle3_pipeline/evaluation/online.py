@@ -29,7 +29,7 @@ from eagle3_pipeline.serving.chat import (
     complete_all,
     parse_reply,
 )
-from eagle3_pipeline.serving.server import ServerSpec, metrics, serve
+from eagle3_pipeline.serving.server import ServerSpec, metrics, serve, serve_many
 from eagle3_pipeline.serving.server_spec import SERVED_NAME
 
 SPEC_PREFIX = "vllm:spec_decode_"
@@ -254,6 +254,15 @@ def serve_and_measure(
         return measure(url, conversations, settings)
 
 
+def serve_together_and_measure(
+    specs: tuple[ServerSpec, ServerSpec], conversations: Sequence[Messages], settings: Settings
+) -> tuple[RunResult, RunResult]:
+    """Both servers started at once (one start-up's wait), then measured one after the other:
+    the idle one takes no requests while the other is timed."""
+    with serve_many(list(specs)) as (first, second):
+        return measure(first, conversations, settings), measure(second, conversations, settings)
+
+
 # --- both runs -------------------------------------------------------------------------------
 
 
@@ -335,20 +344,28 @@ def evaluate(
     log_dir: Path,
     runner: Runner | None = None,
     prompt_ids: Sequence[str] | None = None,
+    start_together: bool = False,
 ) -> tuple[dict[str, Any], list[int], lossless.Verdict]:
     """Serve without, then with the drafter; (online section, indices of differing outputs,
     losslessness verdict naming prompts by `prompt_ids`, default their indices).
 
-    Sequential, never side by side: two servers on the same cores would skew the throughputs.
-    `runner` replaces `serve_and_measure` (tests record the servers they start).
+    Measured one after the other, never side by side: two servers busy on the same cores would
+    skew the throughputs. `start_together` starts both servers at once (where memory holds two)
+    and measures them in turn. `runner` replaces `serve_and_measure` (tests record the servers
+    they start).
     """
     if not conversations:
         raise ValueError("online evaluation needs at least one prompt")
-    runner = runner or serve_and_measure
     k = settings.num_speculative_tokens
     baseline_spec, eagle_spec = server_specs(base, drafter, k, log_dir)
-    baseline = runner(baseline_spec, conversations, settings)
-    spec = runner(eagle_spec, conversations, settings)
+    if start_together and runner is None:
+        baseline, spec = serve_together_and_measure(
+            (baseline_spec, eagle_spec), conversations, settings
+        )
+    else:
+        runner = runner or serve_and_measure
+        baseline = runner(baseline_spec, conversations, settings)
+        spec = runner(eagle_spec, conversations, settings)
     if not spec.counters.get("spec_decode_enabled"):
         raise ServerError(
             f"vLLM was started with the drafter but its /metrics has no {SPEC_PREFIX}* "

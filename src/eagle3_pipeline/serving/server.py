@@ -236,9 +236,8 @@ def wait_ready(url: str, proc: subprocess.Popen | None, spec: ServerSpec) -> Non
     )
 
 
-@contextlib.contextmanager
-def serve(spec: ServerSpec) -> Iterator[str]:
-    """Yield the base URL (http://127.0.0.1:PORT) of a ready server; always stop it after."""
+def _launch(spec: ServerSpec) -> tuple[subprocess.Popen, str]:
+    """Start the server of `spec` under the watchdog; (process, base URL), not yet ready."""
     port = free_port()
     spec.log_file.parent.mkdir(parents=True, exist_ok=True)
     cmd = command(spec, port)
@@ -254,23 +253,48 @@ def serve(spec: ServerSpec) -> Iterator[str]:
             start_new_session=True,
         )
     url = f"http://127.0.0.1:{port}"
+    log("vllm", f"starting server for {spec.model} on {url} (log: {spec.log_file})")
+    return proc, url
+
+
+@contextlib.contextmanager
+def serve_many(specs: list[ServerSpec]) -> Iterator[list[str]]:
+    """Start every server at once, yield their base URLs once all are ready; always stop all.
+
+    Start-up is mostly single-threaded imports in three processes per server, so servers that
+    start together on a machine with spare cores and memory are ready in about the time of one.
+    """
     previous = signal.getsignal(signal.SIGTERM)
 
-    def on_term(signum, frame):  # a killed stage must not orphan its server
+    def on_term(signum, frame):  # a killed stage must not orphan its servers
         raise KeyboardInterrupt
 
     if previous in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, on_term)
+    started: list[subprocess.Popen] = []
     try:
         t0 = time.monotonic()
-        log("vllm", f"starting server for {spec.model} on {url} (log: {spec.log_file})")
-        wait_ready(url, proc, spec)
-        log("vllm", f"server ready in {time.monotonic() - t0:.0f} s")
-        yield url
+        urls = []
+        for spec in specs:
+            proc, url = _launch(spec)
+            started.append(proc)
+            urls.append(url)
+        for spec, proc, url in zip(specs, started, urls, strict=True):
+            wait_ready(url, proc, spec)
+        log("vllm", f"server{'s' if len(specs) > 1 else ''} ready in {time.monotonic() - t0:.0f} s")
+        yield urls
     finally:
-        _stop(proc)
+        for proc in started:
+            _stop(proc)
         if previous in (signal.SIG_DFL, None):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def serve(spec: ServerSpec) -> Iterator[str]:
+    """Yield the base URL (http://127.0.0.1:PORT) of a ready server; always stop it after."""
+    with serve_many([spec]) as urls:
+        yield urls[0]
 
 
 def metrics(url: str) -> dict[str, float]:

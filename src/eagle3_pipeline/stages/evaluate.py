@@ -155,6 +155,7 @@ def run_online(params: Params) -> tuple[dict[str, Any], list[str], Verdict]:
         settings,
         WORK_DIR,
         prompt_ids=[r["id"] for r in rows],
+        start_together=e.start_servers_together,
     )
     return section, [rows[i]["id"] for i in differing], verdict
 

@@ -3,6 +3,7 @@ against a local stub), greedy mismatches and the eval.json section."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -243,3 +244,36 @@ def test_no_prompts_is_an_error(tmp_path: Path) -> None:
     base = ServerSpec(model="v", log_file=tmp_path / "x.log")
     with pytest.raises(ValueError, match="at least one prompt"):
         oe.evaluate(base, "d", [], SETTINGS, tmp_path, lambda *a: pytest.fail("served"))
+
+
+def test_servers_started_together_are_measured_in_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def serve_many(specs: list[ServerSpec]):
+        events.extend(f"start {'eagle3' if s.speculative_config else 'baseline'}" for s in specs)
+        yield [f"url-{i}" for i in range(len(specs))]
+        events.append("stop all")
+
+    def measure(url: str, conversations: list, settings: oe.Settings) -> oe.RunResult:
+        events.append(f"measure {url}")
+        if url == "url-1":
+            return fake_run([[1, 2]], wall=1.0, drafts=2, accepted=2)
+        return fake_run([[1, 2]], wall=2.0, drafts=0, accepted=0)
+
+    monkeypatch.setattr(oe, "serve_many", serve_many)
+    monkeypatch.setattr(oe, "measure", measure)
+    base = ServerSpec(model="v", log_file=tmp_path / "x.log")
+    section, differing, verdict = oe.evaluate(
+        base, "d", CONVERSATIONS[:1], SETTINGS, tmp_path, start_together=True
+    )
+    assert events == [
+        "start baseline",
+        "start eagle3",
+        "measure url-0",  # the baseline first, the drafter's server idle meanwhile
+        "measure url-1",
+        "stop all",
+    ]
+    assert section["speedup"] == pytest.approx(2.0) and differing == [] and verdict.passed

@@ -13,7 +13,7 @@ from eagle3_pipeline import provenance
 from eagle3_pipeline.params import load_params
 from eagle3_pipeline.report import summary
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 COUNTS = {
     "mean_acceptance_length": 2.5,
     "acceptance_rate": 0.5,

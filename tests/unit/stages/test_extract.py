@@ -1,63 +1,19 @@
-"""extract: the layer-id convention against the model's own forward, token-budget batching."""
+"""extract: token-budget batching, within the budget and with little padding; a killed run
+redoes at most the batch in flight."""
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
 import pytest
 import torch
+from extract_llama_case import AUX_IDS, make_params, write_tokenized
 
 from eagle3_pipeline.errors import DataError
+from eagle3_pipeline.stages import extract
 from eagle3_pipeline.stages.extract import token_budget_batches
-from eagle3_pipeline.verifier.capture import LayerCapture, forward_hidden_states
-
-
-@pytest.fixture(scope="module")
-def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    m = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # a final norm weight far from 1, so pre- and post-norm differ clearly
-        m.model.norm.weight.uniform_(0.2, 3.0)
-    return m
-
-
-def test_layer_ids_follow_vllm_convention(model) -> None:
-    ids = torch.randint(0, 300, (1, 17))
-    norm_input = {}
-    h = model.model.norm.register_forward_pre_hook(lambda _m, a: norm_input.setdefault("x", a[0]))
-    with torch.no_grad():
-        out = model(input_ids=ids, output_hidden_states=True)
-    h.remove()
-    capture = LayerCapture(model, [0, 2, 4, 5, 8])
-    got = forward_hidden_states(model, capture, [ids[0].tolist()])[0]
-    capture.remove()
-    ref = out.hidden_states
-    for j, lid in enumerate([0, 2, 4, 5]):  # id k < N: input of decoder layer k
-        torch.testing.assert_close(got[:, j], ref[lid][0])
-    # id N: last decoder layer's output BEFORE the final norm ...
-    torch.testing.assert_close(got[:, 4], norm_input["x"][0])
-    # ... which is not transformers' hidden_states[N] (after the norm) ...
-    assert not torch.allclose(got[:, 4], ref[8][0], atol=1e-3)
-    # ... and gives the model's logits once the norm and lm_head are applied.
-    torch.testing.assert_close(model.lm_head(model.model.norm(got[:, 4])), out.logits[0])
-
-
-def test_padding_does_not_change_hidden_states(model) -> None:
-    capture = LayerCapture(model, [2, 8])
-    a = torch.randint(0, 300, (9,)).tolist()
-    b = torch.randint(0, 300, (23,)).tolist()
-    alone = forward_hidden_states(model, capture, [a])[0]
-    batched = forward_hidden_states(model, capture, [a, b])[0, : len(a)]
-    capture.remove()
-    torch.testing.assert_close(alone, batched, atol=1e-5, rtol=1e-4)
+from eagle3_pipeline.store import format as store
 
 
 def test_token_budget_batches() -> None:
@@ -91,3 +47,35 @@ def test_length_sorted_batches_respect_the_budget_and_pad_little() -> None:
         cur.append(sid)
     arrival.append(cur)
     assert sorted_pad < 0.05 < padding_fraction(arrival, lengths)
+
+
+@pytest.fixture(scope="module")
+def verifier(tiny_verifier_dir: Path) -> Path:
+    """The shared tiny verifier (head_dim 32, which vLLM's CPU attention needs)."""
+    return tiny_verifier_dir
+
+
+def test_killed_run_redoes_at_most_one_batch(verifier, tmp_path, monkeypatch) -> None:
+    """Resume is the stage's, shared by both backends: a fake backend dies on its 2nd batch."""
+    monkeypatch.chdir(tmp_path)
+    prompts = write_tokenized(tmp_path)
+    n_batches = len(extract.token_budget_batches({s: len(p) for s, p in prompts.items()}, 100))
+    calls: list[int] = []
+
+    def fake_backend(fail_at: int | None):
+        def run_batch(batch: list[list[int]]) -> list[torch.Tensor]:
+            calls.append(len(batch))
+            if len(calls) == fail_at:
+                raise KeyboardInterrupt
+            return [torch.zeros(len(ids), len(AUX_IDS) + 1, 64) for ids in batch]
+
+        return lambda *_args: contextlib.nullcontext(run_batch)
+
+    params = make_params(verifier, "vllm")
+    monkeypatch.setattr(extract, "open_backend", fake_backend(fail_at=2))
+    with pytest.raises(KeyboardInterrupt):
+        extract.run(params)
+    monkeypatch.setattr(extract, "open_backend", fake_backend(fail_at=None))
+    extract.run(params)
+    assert n_batches == 3 and len(calls) == n_batches + 1  # batch 2 redone, batch 1 kept
+    assert store.read_manifest(Path("data/hidden_states"))["num_samples"] == len(prompts)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from extract_workdir import fake_backend, load_params, make_workdir
 from small_fs import enospc, resize, small_tmpfs
-from test_extract_resume import _fake_backend, load_params, make_workdir
 
 from eagle3_pipeline import atomic, disk, resume
 from eagle3_pipeline.errors import StoreError
@@ -49,7 +49,7 @@ def test_disk_full_ends_at_once_with_the_reason_and_a_rerun_resumes(
     monkeypatch.chdir(tmp_path)
     params = load_params(tmp_path)
     params.extract.disk_headroom_gb = 0.0
-    monkeypatch.setattr(extract, "open_backend", _fake_backend([]))
+    monkeypatch.setattr(extract, "open_backend", fake_backend([]))
     work = tmp_path / "data/.work"
     real_write = store._write_unsynced
     with small_tmpfs(work, "8m") if how == "tmpfs" else contextlib.nullcontext(False) as mounted:
@@ -86,7 +86,7 @@ def test_disk_full_ends_at_once_with_the_reason_and_a_rerun_resumes(
         if mounted:  # room again
             monkeypatch.undo()
             monkeypatch.chdir(tmp_path)
-            monkeypatch.setattr(extract, "open_backend", _fake_backend([]))
+            monkeypatch.setattr(extract, "open_backend", fake_backend([]))
             (work / "ballast").unlink()
             resize(work, "64m")
         else:
@@ -163,7 +163,7 @@ def test_scratch_on_another_filesystem_publishes_by_copy(
     monkeypatch.chdir(tmp_path)
     params = load_params(tmp_path)
     params.extract.disk_headroom_gb = 0.0
-    monkeypatch.setattr(extract, "open_backend", _fake_backend([]))
+    monkeypatch.setattr(extract, "open_backend", fake_backend([]))
     work = tmp_path / "data/.work"
     with small_tmpfs(work, "64m") if how == "tmpfs" else contextlib.nullcontext(False) as mounted:
         if how == "tmpfs" and not mounted:
@@ -192,7 +192,7 @@ def test_same_filesystem_says_so(
     monkeypatch.chdir(tmp_path)
     params = load_params(tmp_path)
     params.extract.disk_headroom_gb = 0.0
-    monkeypatch.setattr(extract, "open_backend", _fake_backend([]))
+    monkeypatch.setattr(extract, "open_backend", fake_backend([]))
     extract.run(params)
     assert "on one filesystem: publish by hardlink" in capsys.readouterr().out
 
@@ -203,7 +203,7 @@ def test_output_folder_as_a_mount_point_is_refused_before_work(
     make_workdir(tmp_path, tiny_verifier_dir, 5, 200)
     monkeypatch.chdir(tmp_path)
     calls: list[int] = []
-    monkeypatch.setattr(extract, "open_backend", _fake_backend(calls))
+    monkeypatch.setattr(extract, "open_backend", fake_backend(calls))
     with small_tmpfs(tmp_path / "data/hidden_states", "1m") as mounted:
         if not mounted:
             monkeypatch.setattr(extract.os.path, "ismount", lambda p: "hidden_states" in str(p))

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_extract_resume import _fake_backend, load_params, make_workdir
+from extract_workdir import fake_backend, load_params, make_workdir
 
 from eagle3_pipeline.stages import extract
 from eagle3_pipeline.store import format as store
@@ -32,7 +32,7 @@ def test_odd_ids_go_through_extract_and_store_verify(
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     params = load_params(tmp_path)
     params.extract.disk_headroom_gb = 0.0
-    monkeypatch.setattr(extract, "open_backend", _fake_backend([]))
+    monkeypatch.setattr(extract, "open_backend", fake_backend([]))
     extract.run(params)
     out = Path("data/hidden_states")
     manifest = store.read_manifest(out)

@@ -6,7 +6,6 @@ laid out like the repo, is SIGKILLed once its journal shows progress, and is run
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -16,64 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-import yaml
+from extract_workdir import fake_backend, load_params, make_workdir, store_hashes
 
 from eagle3_pipeline import resume
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.stages import extract
 from eagle3_pipeline.store import format as store
 
 EAGLE3 = str(Path(sys.executable).with_name("eagle3"))
-AUX, FINAL = [2, 4, 5], 8
-
-
-def make_workdir(
-    root: Path, verifier: Path, n_samples: int, max_tokens: int, dtype: str = "bf16"
-) -> dict[str, list[int]]:
-    """params.yaml, data/verifier (a link) and data/tokenized/; returns id -> input_ids."""
-    root.mkdir(parents=True, exist_ok=True)
-    params = {
-        "verifier": {"source": "pretrained", "path": "data/verifier"},
-        "layers": {"aux_layer_ids": AUX, "final_layer_id": FINAL},
-        "extract": {"backend": "hf", "max_tokens_per_batch": max_tokens, "store_dtype": dtype},
-    }
-    (root / "params.yaml").write_text(yaml.safe_dump(params))
-    (root / "data/tokenized").mkdir(parents=True)
-    (root / "data/verifier").symlink_to(verifier)
-    gen = torch.Generator().manual_seed(1)
-    out: dict[str, list[int]] = {}
-    rows: dict[str, list[dict]] = {"train": [], "val": []}
-    for k in range(n_samples):
-        split = "val" if k % 10 == 0 else "train"
-        n = int(torch.randint(8, 160, (1,), generator=gen))
-        sid = f"{split}-{k:04d}"
-        ids = torch.randint(10, 1000, (n,), generator=gen).tolist()
-        rows[split].append(
-            {"id": sid, "input_ids": ids, "loss_mask": [0, 0] + [1] * (n - 2), "split": split}
-        )
-        out[sid] = ids
-    for split, rs in rows.items():
-        (root / "data/tokenized" / f"{split}.jsonl").write_text(
-            "".join(json.dumps(r) + "\n" for r in rs)
-        )
-    return out
-
-
-def load_params(root: Path) -> Params:
-    return Params.model_validate(yaml.safe_load((root / "params.yaml").read_text()))
-
-
-def store_hashes(root: Path) -> tuple[bytes, dict[str, str]]:
-    """The manifest's bytes and every file's sha256, re-hashed from disk."""
-    store_dir = root / "data/hidden_states"
-    manifest = store.read_manifest(store_dir)
-    hashes = {
-        e["file"]: resume.file_sha256(store_dir / e["file"]) for e in manifest["samples"].values()
-    }
-    for e in manifest["samples"].values():
-        assert hashes[e["file"]] == e["sha256"]
-    return (store_dir / store.MANIFEST).read_bytes(), hashes
 
 
 def _run_cli(cwd: Path) -> str:
@@ -126,21 +74,6 @@ def test_sigkill_then_rerun_finishes_the_rest_with_identical_bytes(
     assert not list(scratch.glob(".*.tmp"))
 
 
-def _fake_backend(calls: list[int]):
-    """Deterministic stand-in for the model: hidden states derived from the token ids."""
-
-    def run_batch(batch: list[list[int]]) -> list[torch.Tensor]:
-        calls.append(len(batch))
-        return [
-            torch.tensor(ids, dtype=torch.float32)[:, None, None].expand(-1, 4, 64).clone()
-            for ids in batch
-        ]
-
-    import contextlib
-
-    return lambda *_args: contextlib.nullcontext(run_batch)
-
-
 def test_damaged_scratch_file_is_extracted_again(
     tiny_verifier_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
@@ -149,7 +82,7 @@ def test_damaged_scratch_file_is_extracted_again(
     monkeypatch.chdir(tmp_path)
     params = load_params(tmp_path)
     calls: list[int] = []
-    monkeypatch.setattr(extract, "open_backend", _fake_backend(calls))
+    monkeypatch.setattr(extract, "open_backend", fake_backend(calls))
     extract.run(params, shard=(0, 2))  # scratch work that a later run reuses
     scratch = Path("data/.work/extract")
     entries = resume.Journal(scratch / extract.journal_name((0, 2))).read()
@@ -185,7 +118,7 @@ def test_preflight_refuses_when_the_disk_is_too_small(
     need = tokens * per_token + params.extract.disk_headroom_gb * 1e9
     usage = namedtuple("usage", "total used free")
     calls: list[int] = []
-    monkeypatch.setattr(extract, "open_backend", _fake_backend(calls))
+    monkeypatch.setattr(extract, "open_backend", fake_backend(calls))
     monkeypatch.setattr(extract.shutil, "disk_usage", lambda _p: usage(0, 0, int(need) - 1))
     with pytest.raises(StoreError) as err:
         extract.run(params)

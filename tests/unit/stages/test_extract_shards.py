@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_extract_resume import load_params, make_workdir, store_hashes
+from extract_workdir import load_params, make_workdir, store_hashes
 
 from eagle3_pipeline import resume
 from eagle3_pipeline.stages import extract

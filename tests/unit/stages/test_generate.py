@@ -1,14 +1,24 @@
-"""generate: reasoning split, and resume by id after a kill without redoing finished batches."""
+"""generate: reasoning split, resume by id after a kill without redoing finished batches, and
+backend vllm's failed-row sidecar and stop on a dead server (against a scripted fake server)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from fake_openai import DROP, error, fake_servers, sequence
+from fake_openai import reply as _reply
+from fake_openai import row_id as _row_id
+from generate_workspace import output_rows, prepare_rows, vllm_params
 
 from eagle3_pipeline import atomic, readers, resume
+from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.params import Params
+from eagle3_pipeline.serving import server as vllm_server
+from eagle3_pipeline.serving.chat import ChatClient
 from eagle3_pipeline.stages import generate
 
 
@@ -122,3 +132,119 @@ def test_hf_backend_without_reasoning_parser_keeps_the_whole_reply(
     generate.run(params)
     rows = readers.read_jsonl(tmp_path / "data/generated/train.jsonl")
     assert all(r["reasoning"] is None and r["content"] for r in rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# backend vllm: the stage against a scripted fake server on 127.0.0.1 (the chat client itself:
+# tests/unit/serving/test_chat.py; against real vLLM: tests/integration/test_generate_vllm.py)
+
+
+@pytest.fixture
+def fake() -> Iterator:
+    with fake_servers() as start:
+        yield start
+
+
+def _fake_verifier(root: Path) -> Path:
+    path = root / "verifier"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"num_hidden_layers": 8}))
+    return path
+
+
+def test_stage_failed_rows_go_to_the_sidecar_and_a_rerun_retries_only_them(
+    tmp_path: Path, fake, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    ids = prepare_rows(tmp_path, 10)
+
+    def healthy(body: dict) -> tuple[int, dict]:
+        rid = _row_id(body)
+        return _reply(f"think {rid}", f"answer {rid}" if rid != "q07" else None, "stop")
+
+    def flaky(body: dict) -> tuple[int, dict]:
+        rid = _row_id(body)
+        if rid == "q03":
+            return error(400, "prompt is too long")
+        if rid == "q05":
+            return error(500, "engine hiccup")
+        return healthy(body)
+
+    server = fake(flaky)
+    params = vllm_params(_fake_verifier(tmp_path), server_url=server.url, max_retries=1)
+    monkeypatch.setattr(ChatClient, "backoff", lambda self, attempt: 0.01)
+    generate.run(params)
+
+    failed = readers.read_jsonl(tmp_path / "data/generated/failed.jsonl")
+    assert [f["id"] for f in failed] == ["q03", "q05"]
+    assert failed[0]["reason"] == "HTTP 400: prompt is too long"
+    assert failed[1]["reason"].startswith("HTTP 500: engine hiccup (gave up after 2 attempts")
+    rows = {r["id"]: r for r in output_rows(tmp_path)}
+    assert sorted(rows) == [i for i in ids if i not in ("q03", "q05")]
+    assert rows["q01"] == {
+        "id": "q01",
+        "split": "train",
+        "messages": [{"role": "user", "content": "question q01"}],
+        "reasoning": "think q01",
+        "content": "answer q01",
+        "finish_reason": "stop",
+    }
+    assert rows["q07"]["content"] == ""  # vLLM's null content (nothing after </think>)
+    body = server.bodies[0]
+    assert body["model"] == "verifier" and body["max_tokens"] == 8
+    assert body["chat_template_kwargs"] == {"thinking": True}
+    assert body["skip_special_tokens"] is False
+    seeds = {_row_id(b): b["seed"] for b in server.bodies}
+    assert seeds["q01"] == generate._row_seed(7, "q01") != seeds["q02"]
+    assert server.requested_ids().count("q05") == 2 and server.requested_ids().count("q03") == 1
+
+    # Another server and other fetch settings: what rows contain is unchanged, the journal stays.
+    other = fake(healthy)
+    knobs = {"server_url": other.url, "concurrency": 2, "max_retries": 0}
+    generate.run(params.model_copy(update={"generate": params.generate.model_copy(update=knobs)}))
+    assert sorted(other.requested_ids()) == ["q03", "q05"]
+    assert sorted(r["id"] for r in output_rows(tmp_path)) == ids
+    assert readers.read_jsonl(tmp_path / "data/generated/failed.jsonl") == []
+
+
+def test_stage_where_every_request_fails_is_anerror(tmp_path: Path, fake, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    prepare_rows(tmp_path, 4)
+    server = fake(sequence(error(400, "max_tokens=4000 cannot be greater than max_model_len")))
+    params = vllm_params(_fake_verifier(tmp_path), server_url=server.url)
+    with pytest.raises(ServerError, match=r"all 4 requests to .* failed, e\.g\. q00: HTTP 400"):
+        generate.run(params)
+    assert not (tmp_path / "data/generated").exists()
+
+
+def test_stage_stops_when_the_server_stops_answering(tmp_path: Path, fake, monkeypatch) -> None:
+    """A dead server costs one row's retries, not every remaining row's."""
+    monkeypatch.chdir(tmp_path)
+    ids = prepare_rows(tmp_path, 10)
+
+    def dies_after_three(body: dict) -> Any:
+        if len(server.bodies) <= 3:
+            return _reply("r", "c")
+        server.models_status = 503
+        return DROP
+
+    server = fake(dies_after_three)
+    monkeypatch.setattr(ChatClient, "backoff", lambda self, attempt: 0.01)
+    params = vllm_params(
+        _fake_verifier(tmp_path), server_url=server.url, concurrency=1, max_retries=2
+    )
+    with pytest.raises(ServerError, match=r"stopped answering \(q03: connection error.*rerun to"):
+        generate.run(params)
+    assert server.requested_ids().count("q03") == 3  # one row's three attempts, then stop
+    assert len(server.bodies) <= 3 + 3 + 1  # + the next row, maybe already sent by the worker
+    journal = resume.Journal(tmp_path / "data/.work/generate/done.jsonl").read()
+    assert [r["id"] for r in journal] == ids[:3]
+    assert not (tmp_path / "data/generated").exists()
+
+
+def test_unreachable_server_url_is_a_one_lineerror(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    prepare_rows(tmp_path, 2)
+    url = f"http://127.0.0.1:{vllm_server.free_port()}"
+    with pytest.raises(ServerError, match="no answer from the server.*generate.server_url"):
+        generate.run(vllm_params(_fake_verifier(tmp_path), server_url=url))

@@ -1,4 +1,4 @@
-"""verifier.py: one custom-code check for the plan and the stages that load the model."""
+"""verifier/identity.py: one custom-code check for the plan and the stages that load the model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from eagle3_pipeline.errors import VerifierError
 from eagle3_pipeline.params import load_params
 from eagle3_pipeline.verifier import identity as vf
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TEXT = {"num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 16}
 
 

@@ -1,0 +1,34 @@
+"""The generate stage's inputs and outputs in a temp dir: prepared rows, params for the vllm
+backend, and the rows it wrote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eagle3_pipeline import atomic, readers
+from eagle3_pipeline.params import Params
+
+
+def prepare_rows(root: Path, n: int) -> list[str]:
+    ids = [f"q{i:02d}" for i in range(n)]
+    rows = [{"id": i, "messages": [{"role": "user", "content": f"question {i}"}]} for i in ids]
+    cut = n - max(1, n // 5)
+    atomic.write_jsonl(root / "data/prepared/train.jsonl", rows[:cut])
+    atomic.write_jsonl(root / "data/prepared/val.jsonl", rows[cut:])
+    return ids
+
+
+def vllm_params(verifier: Path, **generate_kw: Any) -> Params:
+    return Params.model_validate(
+        {
+            "seed": 7,
+            "verifier": {"path": str(verifier)},
+            "generate": {"backend": "vllm", "max_new_tokens": 8} | generate_kw,
+        }
+    )
+
+
+def output_rows(root: Path) -> list[dict]:
+    out = root / "data/generated"
+    return readers.read_jsonl(out / "train.jsonl") + readers.read_jsonl(out / "val.jsonl")

@@ -1,0 +1,77 @@
+"""serving.server: the watchdog (with a stand-in for vLLM) ends the server's process group when
+the stage disappears and passes SIGTERM on; the CPU kernel-rebind scan skips objects it cannot
+read. Servers that start real vLLM: tests/integration/test_vllm_server.py.
+
+Processes are found by a tag in their environment, so other people's processes on this machine
+never count and ours are found even after they were re-parented.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+from server_procs import TAG_VAR, tagged_pids, wait_none_tagged
+
+from eagle3_pipeline.serving.server import watched
+
+
+def _watchdog(tag: str, code: str) -> subprocess.Popen:
+    cmd = watched([sys.executable, "-c", code])
+    return subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, env=os.environ | {TAG_VAR: tag}, start_new_session=True
+    )
+
+
+def test_watchdog_kills_the_group_when_the_stage_disappears() -> None:
+    tag = uuid.uuid4().hex
+    proc = _watchdog(tag, "import time; time.sleep(600)")
+    deadline = time.monotonic() + 30
+    while len(tagged_pids(tag)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(tagged_pids(tag)) == 2  # watchdog + "server"
+    proc.stdin.close()  # what the kernel does when a SIGKILLed stage's pipe end goes away
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    assert wait_none_tagged(tag, 10) == []
+
+
+def test_watchdog_passes_sigterm_on_and_exits_with_the_server() -> None:
+    tag = uuid.uuid4().hex
+    proc = _watchdog(tag, "import time; time.sleep(600)")
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    proc.stdin.close()
+    assert wait_none_tagged(tag, 10) == []
+
+
+def test_watchdog_exits_with_the_server_code() -> None:
+    proc = _watchdog(uuid.uuid4().hex, "raise SystemExit(3)")
+    assert proc.wait(timeout=30) == 3
+    proc.stdin.close()
+
+
+def test_kernel_rebind_scan_skips_objects_whose_lookup_raises() -> None:
+    """vLLM's CPU kernel scan visits every module global: a proxy that raises on lookup
+    (werkzeug's, once moto/flask is imported) or a non-mapping __dict__ (llvmlite) is skipped."""
+    from vllm.triton_utils import dispatcher
+
+    from eagle3_pipeline.serving.server import patch_cpu_kernel_rebind
+
+    class Raises:
+        def __getattribute__(self, name: str):
+            raise RuntimeError("Working outside of application context.")
+
+    class OddDict:
+        pass
+
+    odd = OddDict()
+    object.__setattr__(odd, "__dict__", {})
+    patch_cpu_kernel_rebind()
+    assert dispatcher.hasattr(Raises(), "__dict__") is False
+    assert dict(dispatcher.vars(Raises())) == {}
+    assert dispatcher.hasattr(odd, "__dict__") is True
