@@ -56,27 +56,3 @@ def render_prompt(tokenizer: Any, row: dict, template_kwargs: dict[str, Any]) ->
             "that renders them"
         )
     return text
-
-
-def opens_reasoning(prompt: str) -> bool:
-    """Whether the generation prompt itself opens the reasoning block (`...<think>`)."""
-    return prompt.rstrip().endswith(THINK_START)
-
-
-def completion_text(row: dict, eos: str, prompt_opens_reasoning: bool) -> str:
-    """The verifier's side of the turn as it emitted it after the generation prompt.
-
-    Reasoning parsers strip `<think>`: it is restored when the model, not the prompt, opened it.
-    They also report a reply cut off inside its reasoning as reasoning with no content: that
-    reply never emitted `</think>`, so none is added (the rare reply that emitted `</think>` as
-    its very last allowed token loses it: the parsers' output cannot tell the two apart).
-    """
-    text = ""
-    if row["reasoning"] is not None:
-        opened = "" if prompt_opens_reasoning else THINK_START
-        cut_in_reasoning = row["finish_reason"] == "length" and not row["content"]
-        text += f"{opened}{row['reasoning']}{'' if cut_in_reasoning else THINK_END}"
-    text += row["content"]
-    if row["finish_reason"] == "stop":
-        text += eos
-    return text

@@ -22,7 +22,7 @@ from fake_openai import row_id as _row_id
 from generate_workspace import output_rows, prepare_rows, vllm_params
 from server_procs import TAG_VAR, tagged_pids, wait_none_tagged
 
-from eagle3_pipeline import resume
+from eagle3_pipeline import chat_template, resume
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving import chat as chat_client
 from eagle3_pipeline.serving import server as vllm_server
@@ -85,6 +85,18 @@ def test_rows_are_split_by_the_real_reasoning_parser(
         if checked == 3:
             break
     assert checked, "no reply reached </think>"
+
+    # The rows keep what vLLM emitted: the turn's last id is the end-of-turn token when it
+    # stopped, the text is those ids decoded, and the prompt ids are the template's rendering.
+    for row in rows:
+        ids = row["completion_token_ids"]
+        assert ids and len(ids) <= params.generate.max_new_tokens
+        ended = ids[-1] == tokenizer.eos_token_id
+        assert ended == (row["finish_reason"] == "stop"), row["id"]
+        text = tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
+        assert text.endswith(row["content"]) and row["reasoning"] in text
+        prompt = chat_template.render_prompt(tokenizer, row, params.generate.chat_template_kwargs)
+        assert row["prompt_token_ids"] == tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
 def _write_repo(root: Path, verifier: Path) -> list[str]:
@@ -157,5 +169,16 @@ def test_sigkill_mid_run_leaves_no_server_and_a_rerun_resumes_by_id(
     rows = output_rows(tmp_path)
     assert sorted(r["id"] for r in rows) == ids
     assert all(
-        set(r) == {"id", "split", "messages", "reasoning", "content", "finish_reason"} for r in rows
+        set(r)
+        == {
+            "id",
+            "split",
+            "messages",
+            "reasoning",
+            "content",
+            "finish_reason",
+            "prompt_token_ids",
+            "completion_token_ids",
+        }
+        for r in rows
     )

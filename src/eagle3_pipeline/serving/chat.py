@@ -38,14 +38,16 @@ class RequestFailed(Exception):
 
 @dataclass(frozen=True)
 class ChatReply:
-    """`token_ids`: the generated ids (vLLM, with `return_token_ids`); `completion_tokens`: the
-    usage count; None where the server sent none."""
+    """`token_ids`: the generated ids, the one that ended the turn included, and
+    `prompt_token_ids`: the prompt as the server tokenized it (vLLM, with `return_token_ids`);
+    `completion_tokens`: the usage count; None where the server sent none."""
 
     reasoning: str | None
     content: str
     finish_reason: str
     token_ids: list[int] | None = None
     completion_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -71,12 +73,14 @@ def parse_reply(response: dict[str, Any]) -> ChatReply:
     usage = response.get("usage")
     completion_tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
     token_ids = choice.get("token_ids")
+    prompt_ids = response.get("prompt_token_ids")
     return ChatReply(
         reasoning=reasoning,
         content=message.get("content") or "",
         finish_reason=choice.get("finish_reason") or "unknown",
         token_ids=list(token_ids) if token_ids is not None else None,
         completion_tokens=int(completion_tokens) if completion_tokens is not None else None,
+        prompt_token_ids=list(prompt_ids) if prompt_ids is not None else None,
     )
 
 

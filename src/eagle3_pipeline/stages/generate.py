@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from eagle3_pipeline import atomic, chat_template, paths, readers, resume, stage_deps
+from eagle3_pipeline import atomic, chat_template, paths, readers, resume, stage_deps, turns
 from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
@@ -66,8 +66,19 @@ def _row_seed(seed: int, row_id: str) -> int:
     return _batch_seed(seed, [row_id]) & 0x7FFFFFFF
 
 
-def _row(prepared: dict, reasoning: str | None, content: str, finish_reason: str) -> dict:
-    """The output row, the same for both backends."""
+def _row(
+    prepared: dict,
+    reasoning: str | None,
+    content: str,
+    finish_reason: str,
+    completion_ids: list[int],
+    prompt_ids: list[int] | None,
+) -> dict:
+    """The output row, the same for both backends. `completion_token_ids` are the ids the
+    verifier emitted, the one that ended its turn included: what tokenize trains on, never the
+    text re-tokenized (which can split differently, and loses what a reasoning parser strips).
+    `prompt_token_ids`: the prompt as the server tokenized it (tokenize checks its own rendering
+    against it)."""
     tools = {"tools": prepared["tools"]} if prepared.get("tools") else {}
     return {
         "id": prepared["id"],
@@ -77,7 +88,18 @@ def _row(prepared: dict, reasoning: str | None, content: str, finish_reason: str
         "reasoning": reasoning,
         "content": content,
         "finish_reason": finish_reason,
+        "prompt_token_ids": prompt_ids,
+        "completion_token_ids": completion_ids,
     }
+
+
+def end_of_turn_ids(tokenizer, model) -> list[int]:
+    """The ids that end a turn: the model's generation config (what vLLM stops on: Kimi ends
+    an assistant turn with `<|im_end|>`, not the tokenizer's `[EOS]`), else the tokenizer's eos."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
 def _generate_hf(
@@ -90,7 +112,7 @@ def _generate_hf(
     tokenizer = loading.load_tokenizer(params)
     tokenizer.padding_side = "left"
     model = loading.load_model(params)
-    eos = tokenizer.eos_token
+    ends = end_of_turn_ids(tokenizer, model)
     for batch in batches:
         prompts = [chat_template.render_prompt(tokenizer, r, g.chat_template_kwargs) for r in batch]
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -105,18 +127,23 @@ def _generate_hf(
                 **enc,
                 max_new_tokens=g.max_new_tokens,
                 pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
+                eos_token_id=ends,
                 **sampling,
             )
         new_tokens = out[:, enc["input_ids"].shape[1] :]
         done = []
-        for r, toks in zip(batch, new_tokens.tolist(), strict=True):
-            text = tokenizer.decode(toks, skip_special_tokens=False)
-            finished = eos in text
-            text = text.split(eos, 1)[0].replace(tokenizer.pad_token, "")
+        for r, prompt, toks in zip(batch, prompts, new_tokens.tolist(), strict=True):
+            # Emitted ids up to and including the one that ended the turn; after it, padding.
+            end = next((i for i, t in enumerate(toks) if t in ends), None)
+            emitted = toks if end is None else toks[: end + 1]
+            text = tokenizer.decode(
+                emitted if end is None else emitted[:-1], skip_special_tokens=False
+            )
             # As the server: no reasoning parser, no reasoning (the whole reply is the answer).
             reasoning, content = split_reasoning(text) if g.reasoning_parser else (None, text)
-            done.append(_row(r, reasoning, content, "stop" if finished else "length"))
+            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            finish = "length" if end is None else "stop"
+            done.append(_row(r, reasoning, content, finish, emitted, prompt_ids))
         journal.append(done)
         progress.advance(len(batch))
 
@@ -169,11 +196,27 @@ def request_body(params: Params, model: str, row: dict) -> dict[str, Any]:
         "seed": _row_seed(params.seed, row["id"]),
         "chat_template_kwargs": g.chat_template_kwargs,
         "skip_special_tokens": False,
+        "return_token_ids": True,  # the ids tokenize trains on (and the prompt's, to check)
     }
 
 
+NO_TOKEN_IDS = (
+    "the server returned no token_ids: generate trains on the ids the verifier emitted and needs "
+    "a vLLM server that answers `return_token_ids` (vLLM >= 0.10.2)"
+)
+
+
 def _reply_row(prepared: dict, reply: ChatReply) -> dict:
-    return _row(prepared, reply.reasoning, reply.content, reply.finish_reason)
+    if reply.token_ids is None:
+        raise ServerError(f"{prepared['id']}: {NO_TOKEN_IDS}")
+    return _row(
+        prepared,
+        reply.reasoning,
+        reply.content,
+        reply.finish_reason,
+        reply.token_ids,
+        reply.prompt_token_ids,
+    )
 
 
 def _log_hint(params: Params) -> str:
@@ -216,15 +259,32 @@ def _generate_vllm(
 
 
 def _run_vllm(
-    params: Params, rows: list[dict], done: set[str], journal: resume.Journal
+    params: Params,
+    rows: list[dict],
+    done: set[str],
+    journal: resume.Journal,
+    server: Callable[[], str],
 ) -> list[dict]:
     """Only rows not yet journaled are requested; no server is started when none are left."""
     todo = [r for r in rows if r["id"] not in done]
     progress = Progress(STAGE, len(rows), already_done=len(rows) - len(todo))
     if not todo:
         return []
-    with _server(params) as url:
-        return _generate_vllm(params, url, todo, journal, progress)
+    return _generate_vllm(params, server(), todo, journal, progress)
+
+
+def _rounds(
+    params: Params, rows: list[dict], journal: resume.Journal
+) -> Iterator[tuple[int, list[dict]]]:
+    """(round, rows to answer): one round of every row with `turns: last`; with `every`, round k
+    asks turn k of each conversation, its context the verifier's answers so far (turns.py)."""
+    if params.generate.turns == "last":
+        yield 1, rows
+        return
+    for k in range(1, max(turns.turn_count(r) for r in rows) + 1):
+        answers = {r["id"]: r for r in journal.read()}
+        asked = [turns.turn_row(r, k, answers) for r in rows if turns.turn_count(r) >= k]
+        yield k, [r for r in asked if r is not None]
 
 
 def _fingerprint(params: Params) -> str:
@@ -249,14 +309,28 @@ def run(params: Params) -> None:
     rows = _rows(params)
     vf.read_config(params.verifier.path)  # a clear error before anything else when missing
     journal = resume.Journal(resume.scratch_dir(STAGE, _fingerprint(params)) / "done.jsonl")
-    done = {r["id"] for r in journal.read()}
     failed: list[dict] = []
-    if params.generate.backend == "vllm":
-        failed = _run_vllm(params, rows, done, journal)
-    else:
-        _run_hf(params, rows, done, journal)
+    asked: list[str] = []
+    with contextlib.ExitStack() as stack:
+        urls: list[str] = []
+
+        def server() -> str:  # started once, at the first round with work left
+            if not urls:
+                urls.append(stack.enter_context(_server(params)))
+            return urls[0]
+
+        for k, round_rows in _rounds(params, rows, journal):
+            if k > 1:
+                log(STAGE, f"turn {k}: {len(round_rows)} conversations")
+            done = {r["id"] for r in journal.read()}
+            asked += [r["id"] for r in round_rows]
+            if params.generate.backend == "vllm":
+                failed += _run_vllm(params, round_rows, done, journal, server)
+            else:
+                _run_hf(params, round_rows, done, journal)
     finished = {r["id"]: r for r in journal.read()}
-    results = [finished[r["id"]] for r in rows if r["id"] in finished]
+    results = [finished[i] for i in asked if i in finished]
+    failed.sort(key=lambda f: f["id"])
     _write_outputs(results, failed)
     n_reason = sum(1 for r in results if r["reasoning"])
     n_stop = sum(1 for r in results if r["finish_reason"] == "stop")

@@ -1,8 +1,10 @@
-"""Stage `tokenize`: render each conversation with the serving chat template.
+"""Stage `tokenize`: prompt ids from the serving chat template + the ids the verifier emitted.
 
-input_ids are exactly what the server sees (prompt rendered with the generation prompt, then the
-verifier's completion; chat_template.py); loss_mask covers the completion only, i.e. the
-verifier's own tokens.
+input_ids are exactly what the verifier saw and said: the prompt rendered with the generation
+prompt (chat_template.py; checked against the ids the server tokenized, where it sent them), then
+the completion ids generate kept as emitted, the id that ended the turn included. The text is
+never re-tokenized: a tokenizer can split the same text otherwise than the model emitted it, and a
+reasoning parser strips what the model wrote. loss_mask covers the completion only.
 Token frequencies of supervised train tokens feed the draft vocab.
 """
 
@@ -22,12 +24,24 @@ OUTPUT_DIR = paths.TOKENIZED
 
 
 def tokenize_row(tokenizer, row: dict, max_seq_len: int, template_kwargs: dict) -> dict:
+    completion_ids = row.get("completion_token_ids")
+    if completion_ids is None:
+        raise DataError(
+            f"{INPUT_DIR}: sample {row['id']!r} has no completion_token_ids (rows of an older "
+            "generate): rerun generate (`dvc repro -f generate`)"
+        )
     prompt = chat_template.render_prompt(tokenizer, row, template_kwargs)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    completion = chat_template.completion_text(
-        row, tokenizer.eos_token, chat_template.opens_reasoning(prompt)
-    )
-    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    served = row.get("prompt_token_ids")
+    if served is not None and served != prompt_ids:
+        pairs = enumerate(zip(served, prompt_ids, strict=False))
+        at = next((i for i, (a, b) in pairs if a != b), min(len(served), len(prompt_ids)))
+        raise DataError(
+            f"{INPUT_DIR}: sample {row['id']!r}: the server tokenized the prompt otherwise than "
+            f"the verifier's chat template renders it ({len(served)} vs {len(prompt_ids)} ids, "
+            f"first difference at {at}): generate.chat_template_kwargs and the server's chat "
+            "template must be the verifier's own"
+        )
     input_ids = (prompt_ids + completion_ids)[:max_seq_len]
     loss_mask = ([0] * len(prompt_ids) + [1] * len(completion_ids))[:max_seq_len]
     return {"id": row["id"], "split": row["split"], "input_ids": input_ids, "loss_mask": loss_mask}

@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_openai import DROP, error, fake_servers, sequence
-from fake_openai import reply as _reply
+from fake_openai import DROP, error, fake_servers, reply, sequence
 from fake_openai import row_id as _row_id
 from generate_workspace import output_rows, prepare_rows, vllm_params
 
@@ -20,6 +19,12 @@ from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving import server as vllm_server
 from eagle3_pipeline.serving.chat import ChatClient
 from eagle3_pipeline.stages import generate
+
+EMITTED = [11, 12, 13]  # what the fake verifier "emitted", as vLLM returns it with token ids
+
+
+def _reply(reasoning: str | None, content: str | None, finish: str = "stop") -> tuple[int, dict]:
+    return reply(reasoning, content, finish, token_ids=EMITTED)
 
 
 def test_split_reasoning() -> None:
@@ -112,15 +117,18 @@ def test_tools_reach_the_server_and_the_output_row() -> None:
     body = generate.request_body(params, "verifier", row | {"tools": TOOLS})
     # rendered into the prompt; the reply stays raw text (no tool parser runs)
     assert body["tools"] == TOOLS and body["tool_choice"] == "none"
-    assert generate._row(row | {"tools": TOOLS}, None, "a", "stop")["tools"] == TOOLS
-    assert list(generate._row(row, None, "a", "stop")) == [
+    assert body["return_token_ids"] is True  # tokenize trains on the emitted ids
+    assert generate._row(row | {"tools": TOOLS}, None, "a", "stop", [1], None)["tools"] == TOOLS
+    assert list(generate._row(row, None, "a", "stop", [1], [2])) == [
         "id",
         "split",
         "messages",
         "reasoning",
         "content",
         "finish_reason",
-    ]  # rows without tools are written exactly as before
+        "prompt_token_ids",
+        "completion_token_ids",
+    ]  # rows without tools have no tools key
 
 
 def test_hf_backend_without_reasoning_parser_keeps_the_whole_reply(
@@ -188,6 +196,8 @@ def test_stage_failed_rows_go_to_the_sidecar_and_a_rerun_retries_only_them(
         "reasoning": "think q01",
         "content": "answer q01",
         "finish_reason": "stop",
+        "prompt_token_ids": None,  # the fake server sends none; vLLM does
+        "completion_token_ids": EMITTED,
     }
     assert rows["q07"]["content"] == ""  # vLLM's null content (nothing after </think>)
     body = server.bodies[0]
@@ -205,6 +215,18 @@ def test_stage_failed_rows_go_to_the_sidecar_and_a_rerun_retries_only_them(
     assert sorted(other.requested_ids()) == ["q03", "q05"]
     assert sorted(r["id"] for r in output_rows(tmp_path)) == ids
     assert readers.read_jsonl(tmp_path / "data/generated/failed.jsonl") == []
+
+
+def test_a_server_without_token_ids_is_refused_in_one_line(
+    tmp_path: Path, fake, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    prepare_rows(tmp_path, 4)
+    server = fake(sequence(reply("r", "c")))  # no token_ids: text only
+    params = vllm_params(_fake_verifier(tmp_path), server_url=server.url)
+    with pytest.raises(ServerError, match=r"^q0\d: the server returned no token_ids"):
+        generate.run(params)
+    assert not (tmp_path / "data/generated").exists()
 
 
 def test_stage_where_every_request_fails_is_anerror(tmp_path: Path, fake, monkeypatch) -> None:
