@@ -10,6 +10,7 @@ layer order and length check (tests/unit/serving/test_hidden_states.py), resume 
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -29,10 +30,10 @@ def verifier(tiny_verifier_dir: Path) -> Path:
 
 
 @pytest.mark.vllm  # imports vLLM (through the CPU connector module)
-def test_engine_kwargs_disable_prefix_caching_and_chunked_prefill(verifier) -> None:
+def test_engine_kwargs_disable_prefix_caching_and_keep_chunked_prefill(verifier) -> None:
     params = make_params(verifier, "vllm")
     kw = vllm_extract.engine_kwargs(params, [*AUX_IDS, N_LAYERS], Path("scratch"))
-    assert kw["enable_prefix_caching"] is False and kw["enable_chunked_prefill"] is False
+    assert kw["enable_prefix_caching"] is False and "enable_chunked_prefill" not in kw
     spec = kw["speculative_config"]
     assert spec["method"] == "extract_hidden_states"
     hf_config = spec["draft_model_config"]["hf_config"]
@@ -98,6 +99,22 @@ def test_vllm_backend_matches_hf_backend(verifier, tmp_path, monkeypatch) -> Non
     for lid, (abs_d, rel_d) in worst.items():
         print(f"layer id {lid}: max abs diff {abs_d:.3g}, max diff / max |x| {rel_d:.3g}")
     _check_final_is_before_norm(verifier, prompts, got)
+
+    # Chunked prefill: a 32-token step budget splits the 33-61-token samples over several
+    # steps; the connector still writes every token's hidden states, as the hf backend has them.
+    Path("data/hidden_states").rename("vllm_store")
+    shutil.rmtree("data/.work/extract", ignore_errors=True)  # nothing reused: all recomputed
+    chunked = make_params(verifier, "vllm")
+    chunked.vllm.extra_args = [*chunked.vllm.extra_args, "--max-num-batched-tokens", "32"]
+    chunked.vllm.extra_args += ["--max-num-seqs", "4"]
+    extract.run(chunked)
+    _, got_chunked = _store(Path("data/hidden_states"))
+    for sid, sample in got_chunked.items():
+        assert sample["token_ids"].tolist() == prompts[sid]
+        for j, lid in enumerate(manifest["layer_ids"]):
+            a = sample["hidden_states"][:, j].float()
+            b = ref[sid]["hidden_states"][:, j].float()
+            torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-3, msg=f"{sid} layer {lid}")
 
 
 def _check_final_is_before_norm(verifier: Path, prompts, got) -> None:

@@ -114,8 +114,10 @@ def check_layer_ids(config: dict[str, Any], layer_ids: list[int]) -> None:
 def engine_kwargs(params: Params, layer_ids: list[int], storage_dir: Path) -> dict[str, Any]:
     """Arguments of vllm.LLM for extraction; vllm.extra_args may override all but `required`.
 
-    Prefix caching and chunked prefill stay off whatever extra_args say: a cached or chunked
-    prefix is not recomputed, so its hidden states would be missing from the file.
+    Prefix caching stays off whatever extra_args say: a cached prefix is not recomputed, so its
+    hidden states would be missing from the file. Chunked prefill stays as vLLM sets it (on): the
+    connector gathers a request's hidden states from its cache blocks when the request finishes
+    (`get_finished`), whatever chunks computed them, and vLLM warns against turning it off.
     """
     v = params.vllm
     ordered, _ = vllm_layer_order(layer_ids)
@@ -127,7 +129,6 @@ def engine_kwargs(params: Params, layer_ids: list[int], storage_dir: Path) -> di
     }
     required = {
         "enable_prefix_caching": False,
-        "enable_chunked_prefill": False,
         "speculative_config": {
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -260,7 +261,7 @@ class HiddenStateEngine:
         if tokens.tolist() != prompt or hidden.shape[0] != len(prompt):
             raise VerifierError(
                 f"vLLM wrote {hidden.shape[0]} hidden states for a {len(prompt)}-token prompt "
-                "(or other token ids): prefix caching and chunked prefill must stay off"
+                "(or other token ids): prefix caching must stay off"
             )
         return hidden[:, self._order]
 

@@ -3,8 +3,9 @@
 Batches are bounded by a token budget (padded tokens), never by a sample count: one long sample
 must not OOM a batch sized for short ones. Samples are length-sorted so padding stays small.
 Finished files accumulate in data/.work/extract/ (journaled per batch) and move into
-data/hidden_states/ by rename once all are done: a killed run redoes at most one batch, and every
-file it reuses is re-hashed first (a damaged one is extracted again, never published).
+data/hidden_states/ by rename once all are done. Batch n is written while the verifier computes
+batch n+1, so the engine never waits for the disk; a killed run redoes at most those two batches,
+and every file it reuses is re-hashed first (a damaged one is extracted again, never published).
 
 `--shard i/n` extracts batches i, i+n, ... of the same plan into the same scratch folder (shared
 storage across nodes), each worker with its own journal; a plain run then reuses every shard's
@@ -26,7 +27,7 @@ import contextlib
 import os
 import shutil
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -280,19 +281,39 @@ def run(params: Params, shard: tuple[int, int] | None = None) -> None:
         progress = Progress(STAGE, total_tokens, unit="tok", already_done=done_tokens)
         journal = resume.Journal(work / journal_name(shard))
         backend_dir = work if shard is None else work / f"shard-{shard[0]}-of-{shard[1]}"
-        with (
-            disk.guard(STAGE, work, still_needed),
-            open_backend(params, layout.layer_ids, backend_dir) as run_batch,
-        ):
-            for batch in todo:
-                ids = [rows[i]["input_ids"] for i in batch]
-                new = write_batch(
-                    work, [rows[i] for i in batch], run_batch(ids), layout, skip=set(entries)
-                )
+        pending: list[tuple[Future, list[str]]] = []  # the write in flight, at most one
+
+        def settle() -> None:
+            """Journal the write in flight once its files are on disk."""
+            while pending:
+                future, batch = pending.pop()
+                new = future.result()
                 journal.append(new)
                 entries.update({e["id"]: e for e in new})
                 left.difference_update(batch)
                 progress.advance(sum(lengths[i] for i in batch if i in missing))
+
+        with (
+            disk.guard(STAGE, work, still_needed),
+            open_backend(params, layout.layer_ids, backend_dir) as run_batch,
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer") as writer,
+        ):
+            # Batch n is written (and fsynced) while the verifier computes batch n+1.
+            try:
+                for batch in todo:
+                    states = run_batch([rows[i]["input_ids"] for i in batch])
+                    settle()
+                    batch_rows = [rows[i] for i in batch]
+                    future = writer.submit(
+                        write_batch, work, batch_rows, states, layout, skip=set(entries)
+                    )
+                    pending.append((future, batch))
+                settle()
+            except BaseException:
+                # A write that finished is journaled: a rerun redoes only the batch computing.
+                with contextlib.suppress(Exception):
+                    settle()
+                raise
     if shard is not None:
         log(
             STAGE,

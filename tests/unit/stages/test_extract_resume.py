@@ -6,6 +6,7 @@ laid out like the repo, is SIGKILLed once its journal shows progress, and is run
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -129,3 +130,41 @@ def test_preflight_refuses_when_the_disk_is_too_small(
     monkeypatch.setattr(extract.shutil, "disk_usage", lambda _p: usage(0, 0, int(need) + 1))
     extract.run(params)
     assert store.read_manifest(Path("data/hidden_states"))["num_tokens"] == tokens
+
+
+def test_batch_n_is_written_while_batch_n_plus_1_is_computed(
+    tiny_verifier_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer holds batch 1's files until the backend has started batch 2: were the two
+    sequential, the run would wait on itself and time out."""
+    import threading
+
+    make_workdir(tmp_path, tiny_verifier_dir, 12, 200)
+    monkeypatch.chdir(tmp_path)
+    calls: list[int] = []
+    second_started = threading.Event()
+    fake = fake_backend(calls)
+
+    def open_backend(*args):
+        compute = fake(*args).__enter__()
+
+        def run_batch(batch):
+            if calls:
+                second_started.set()
+            return compute(batch)
+
+        return contextlib.nullcontext(run_batch)
+
+    real_write = extract.write_batch
+    writes: list[bool] = []
+
+    def write_batch(*args, **kwargs):
+        if not writes:
+            writes.append(second_started.wait(timeout=30))
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(extract, "open_backend", open_backend)
+    monkeypatch.setattr(extract, "write_batch", write_batch)
+    extract.run(load_params(tmp_path))
+    assert len(calls) >= 2 and writes == [True]
+    assert store.read_manifest(Path("data/hidden_states"))["num_samples"] == 12
