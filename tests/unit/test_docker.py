@@ -106,3 +106,53 @@ def test_dvc_cache_lives_in_the_mounted_repo() -> None:
     cache = ConfigObj(str(REPO / ".dvc/config")).get("cache", {})
     assert "dir" not in cache, "cache.dir moved out of the repo: mount it in docker-train"
     assert "hardlink" in cache.get("type", "")
+
+
+def _env() -> dict[str, str]:
+    """The image's ENV, in order, `$VAR` expanded as Docker expands it (earlier instructions)."""
+    env: dict[str, str] = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    for kind, args in _instructions():
+        if kind != "ENV":
+            continue
+        before = dict(env)  # one instruction sees only the values set before it
+        for key, value in (pair.split("=", 1) for pair in shlex.split(args)):
+            env[key] = re.sub(r"\$\{?(\w+)\}?", lambda m, b=before: b.get(m[1], ""), value)
+    return env
+
+
+# Where vLLM, torch and their kernel libraries write what they compile or download at run time.
+CACHE_VARS = (
+    "TRITON_CACHE_DIR",  # Triton kernels (vLLM's MoE/attention fallbacks, inductor output)
+    "TORCHINDUCTOR_CACHE_DIR",  # torch.compile of vLLM's model (enforce_eager: false)
+    "VLLM_CACHE_ROOT",  # vLLM's compile cache and its downloaded assets
+    "FLASHINFER_WORKSPACE_BASE",  # flashinfer/jit/env.py: <base>/.cache/flashinfer/<arch>
+    "HUMMING_CACHE_DIR",  # humming/jit/utils.py: compiled INT4 MoE kernels
+    "HUMMING_TMP_DIR",
+    "CUDA_CACHE_PATH",  # the driver's PTX JIT cache
+    "XDG_CACHE_HOME",
+    "HOME",  # everything else that writes under ~ (Triton's ~/.triton, FlashInfer's default)
+)
+
+
+def test_image_compiles_what_vllm_compiles_at_run_time() -> None:
+    """A -devel base: nvcc and CUDA headers for FlashInfer's and Humming's JIT kernels."""
+    base = next(args for kind, args in _instructions() if kind == "FROM")
+    assert re.fullmatch(r"nvidia/cuda:13\.0\.\d+-devel-ubuntu24\.04", base), base
+    env = _env()
+    assert env["CUDA_HOME"] == "/usr/local/cuda"  # what FlashInfer and Humming look up first
+    assert f"{env['CUDA_HOME']}/bin" in env["PATH"].split(":")  # nvcc on PATH too
+
+
+def test_every_cache_is_in_the_mounted_work_tree_and_writable_by_any_uid() -> None:
+    env = _env()
+    work = (
+        "/work/data/.work/"  # the mounted repo's git-ignored scratch (docker-train: -v repo:/work)
+    )
+    assert "/data/.work/" in (REPO / ".gitignore").read_text().splitlines()
+    for var in CACHE_VARS:
+        assert env.get(var, "").startswith(work), (var, env.get(var))
+    assert env["HF_HOME"] == "/cache/huggingface"  # the host's HF cache, mounted by make docker-*
+    runs = " ".join(args for kind, args in _instructions() if kind == "RUN")
+    # Without the mounts too, `docker run -u <any uid>` can create HOME and the caches.
+    assert re.search(r"chmod -R 1777 /cache /work", runs)
+    assert 'mkdir -p /cache/huggingface "$HOME"' in runs

@@ -122,3 +122,116 @@ def test_tokens_per_s_and_median(tmp_path: Path) -> None:
     tsv.write_text("step\ttokens_per_s\n0\t10.0\n1\t30.0\n2\t20.0\n")
     assert gc.median_step_tokens_per_s(tsv) == 20.0
     assert gc.median_step_tokens_per_s(tmp_path / "missing.tsv") is None
+
+
+def test_plan_names_every_check_and_its_config(capsys) -> None:
+    """`--plan` runs nothing and needs no GPU: the checks, commands and configs of a run."""
+    assert gc.main(["--plan", "--gpus", "2"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    checks = [c["check"] for c in plan]
+    assert checks == [
+        "device",
+        "toolchain",
+        "uid",
+        "bf16-matmul",
+        "llama/*",
+        "mla/*",
+        "kimi/int4-checkpoint",
+        "kimi/generate",
+    ]
+    by = {c["check"]: c for c in plan}
+    assert by["toolchain"]["command"][0].endswith("/bin/nvcc")
+    assert {"TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "HOME"} <= set(
+        by["toolchain"]["caches"]
+    )
+    assert by["mla/*"]["params"]["train"]["nproc"] == 2  # torchrun, DDP on both GPUs
+    assert "eagle3 train --params params.yaml" in by["mla/*"]["commands"]
+    kimi = by["kimi/generate"]["params"]
+    assert kimi["vllm"]["tensor_parallel_size"] == 2 and kimi["vllm"]["enforce_eager"] is False
+    g = kimi["generate"]
+    assert (g["backend"], g["reasoning_parser"], g["top_p"]) == ("vllm", "kimi_k2", 0.95)
+    assert g["chat_template_kwargs"] == {"thinking": True}
+    assert by["kimi/generate"]["commands"][-1] == f"eagle3 generate --params {gc.KIMI_PARAMS}"
+    q = by["kimi/int4-checkpoint"]["quantization_config"]
+    assert q == json.loads((REPO / "tests/fixtures/kimi-k2.5/config.json").read_text())[
+        "quantization_config"
+    ] | {"config_groups": q["config_groups"]}  # Kimi-K2.5's own, group fields included
+    assert q["config_groups"]["group_0"]["weights"]["group_size"] == 32
+
+
+def test_one_gpu_plans_tp1_and_one_rank() -> None:
+    from eagle3_pipeline.params import Params
+
+    mla = gc.pipeline_params("mla", 1)
+    assert mla["train"]["nproc"] == 1
+    kimi = Params.model_validate(gc.kimi_params(mla, 1))
+    assert kimi.vllm.tensor_parallel_size == 1 and not kimi.vllm.enforce_eager
+    assert kimi.verifier.source == "pretrained" and kimi.verifier.path == gc.KIMI_DIR
+    assert Params.model_validate(gc.kimi_params(gc.pipeline_params("mla", 2), 2))
+
+
+def test_served_with_reads_runner_and_backends_from_the_server_log() -> None:
+    log = (
+        "(Worker_TP0 pid=1) INFO Using FLASH_ATTN_MLA attention backend out of potential "
+        "backends: ['FLASH_ATTN_MLA', 'FLASHMLA'].\n"
+        "(Worker_TP1 pid=2) INFO Using 'HUMMING' WNA16 MoE backend.\n"
+        "INFO Using TRITON Unquantized MoE backend out of potential backends: ['TRITON'].\n"
+        "compilation_config={'pass_config': {'fuse_allreduce_rms': True}}\n"
+    )
+    got = gc.served_with(log)
+    assert got == {
+        "runner": "Model Runner V2",
+        "attention": "FLASH_ATTN_MLA",
+        "moe": "HUMMING,TRITON",
+        "allreduce+rmsnorm fusion": "True",
+    }
+    cpu = "WARNING Model Runner V2 requires Triton; using the V1 model runner instead.\n"
+    assert gc.served_with(cpu)["runner"] == "V1 (MRV2 requires Triton)"
+    assert gc.served_with("")["attention"] == "not logged"
+
+
+def test_tiny_int4_kimi_builds_on_cpu_as_kimi_is_laid_out(tmp_path: Path) -> None:
+    """The checkpoint kimi/generate serves: Kimi's wrapper and names, routed experts packed by
+    compressed-tensors' own compressor (decompressed back within INT4's step), the config read
+    by transformers and by vLLM's compressed-tensors config."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+    from verifiers import build_tiny_dsv3_verifier
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+
+    tokenizer_dir = build_tiny_dsv3_verifier(tmp_path / "tok", train_steps=0)
+    out = tmp_path / "kimi-int4"
+    shapes = gc.build_tiny_kimi_int4(out, tokenizer_dir)
+    config = AutoConfig.from_pretrained(out)
+    text = config.text_config
+    assert type(config).__name__ == "Kimi_K25Config" and text.model_type == "deepseek_v3"
+    assert (text.hidden_size, text.moe_intermediate_size, text.qk_nope_head_dim) == (1024, 512, 128)
+    assert (text.kv_lora_rank, text.qk_rope_head_dim) == (512, 64)
+    name = "language_model.model.layers.1.mlp.experts.0.gate_proj"
+    assert shapes[f"{name}.weight_packed"] == [512, 1024 // 8]  # 8 INT4 values per int32
+    assert shapes[f"{name}.weight_scale"] == [512, 1024 // 32]  # one scale per group of 32
+    assert f"{name}.weight" not in shapes
+    down = "language_model.model.layers.2.mlp.experts.7.down_proj"
+    assert shapes[f"{down}.weight_packed"] == [1024, 512 // 8]
+    # Dense layer 0, shared experts and attention stay bf16, as Kimi's ignore list says.
+    assert "language_model.model.layers.0.mlp.gate_proj.weight" in shapes
+    assert "language_model.model.layers.1.mlp.shared_experts.up_proj.weight" in shapes
+    assert "language_model.model.layers.1.self_attn.kv_b_proj.weight" in shapes
+    tensors = load_file(out / "model.safetensors")
+    assert tensors[f"{name}.weight_packed"].dtype.is_floating_point is False
+    w = gc.KIMI_INT4["config_groups"]["group_0"]["weights"]
+    args = QuantizationArgs(
+        **{k: w[k] for k in ("num_bits", "type", "symmetric", "strategy", "group_size")}
+    )
+    state = {k: tensors[f"{name}.{k}"] for k in ("weight_packed", "weight_scale", "weight_shape")}
+    back = PackedQuantizationCompressor.decompress(
+        state, QuantizationScheme(targets=["Linear"], weights=args)
+    )
+    assert back["weight"].shape == (512, 1024)
+    quant = json.loads((out / "config.json").read_text())["quantization_config"]
+    vllm_config = CompressedTensorsConfig.from_config(quant)
+    assert vllm_config.get_name() == "compressed-tensors"

@@ -107,6 +107,7 @@ def _specforge_flags(config: dict[str, Any], where: str) -> dict[str, bool]:
 def _flat_layer_config(flat: dict[str, Any]) -> dict[str, Any]:
     """A flat config's Llama fields as a speculators transformer_layer_config."""
     skip = {"eagle_config", "draft_vocab_size", "target_hidden_size", "eagle3_pipeline", *FLAGS}
+    skip.add("eagle_aux_hidden_state_layer_ids")
     tl = {k: v for k, v in flat.items() if k not in skip | {"architectures", "torch_dtype"}}
     tl["architectures"] = ["LlamaForCausalLM"]
     tl.pop("rope_theta", None)
@@ -149,6 +150,15 @@ def read_conventions(config: dict[str, Any], where: str | Path) -> CheckpointCon
         origin: Origin = "pipeline"
         convention: Convention = ours
         flags = {k: bool(config.get(k, eagle_config.get(k, False))) for k in FLAGS}
+        top = config.get("eagle_aux_hidden_state_layer_ids")  # vLLM's ids, for both runners
+        in_eagle = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+        if top and in_eagle and list(top) != vllm_layer_ids(list(in_eagle), ours):
+            raise CheckpointError(
+                f"{where}: eagle_aux_hidden_state_layer_ids {list(top)} (vLLM's, top level) "
+                f"disagree with eagle_config's {list(in_eagle)} in {ours}'s convention: "
+                "re-run the export stage"
+            )
+        aux = in_eagle or top
     else:
         origin, convention, flags = "specforge", "sglang", _specforge_flags(config, where)
     if "hidden_size" not in config or "vocab_size" not in config:

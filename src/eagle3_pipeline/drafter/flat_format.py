@@ -10,8 +10,14 @@ config.json plus `draft_vocab_size` and `eagle_config.eagle_aux_hidden_state_lay
 keeps every other name; vLLM's flat loader does the same (`hf_to_vllm_mapper`).
 
 Aux-layer ids. Our ids are vLLM's (layer_ids.py): id k is the residual stream entering decoder
-layer k. vLLM reads a draft config's ids as written (`eagle_aux_hidden_state_layer_ids` at the top
-level, else in `eagle_config`). SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids`
+layer k. vLLM reads a draft config's ids as written, and its two model runners differ: both take
+`eagle_aux_hidden_state_layer_ids` at the top level first; failing that, V1
+(`GPUModelRunner._get_eagle3_aux_layers_from_config`) reads `eagle_config`'s key of that name and
+Model Runner V2, which vLLM 0.32 picks on GPUs (`get_eagle3_aux_layers_from_config`,
+v1/worker/gpu/spec_decode/eagle/eagle3_utils.py), reads only `eagle_config["layer_ids"]` and
+otherwise serves the model's default layers. So a flat export writes our ids at the top level
+(for vLLM, whichever runner) and the server's ids in `eagle_config`. SGLang reads only
+`eagle_config.eagle_aux_hidden_state_layer_ids`
 and captures before layer `id + 1` (`set_eagle3_layers_to_capture`: `[val + 1 for val in
 layer_ids]`; llama.py appends `hidden_states + residual` before layer i when i is in
 `layers_to_capture`), so its id s is our id s + 1. SpecForge (AQ-MedAI's trainer) captures the
@@ -156,6 +162,9 @@ def to_flat_config(config: dict[str, Any], server: Server, where: str = "export"
         "torch_dtype": dtype,
         "dtype": dtype,
         "draft_vocab_size": config["draft_vocab_size"],
+        # vLLM's ids at the top level, where both of its model runners look first: V1 then
+        # reads eagle_config's key, Model Runner V2 never does (module docstring).
+        "eagle_aux_hidden_state_layer_ids": list(aux),
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": server_layer_ids(aux, server, where),
             "use_aux_hidden_state": True,

@@ -15,6 +15,7 @@ from eagle3_pipeline.drafter.shape import DrafterShape
 from eagle3_pipeline.errors import CheckpointError, ParamsError, VerifierError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.plan.inputs import VerifierShape, tokenizer_tokens
+from eagle3_pipeline.plan.memory import ServingMemory
 
 THINK_TOKENS = (chat_template.THINK_START, chat_template.THINK_END)
 
@@ -116,3 +117,42 @@ def run_warnings(params: Params, d: DrafterShape, run: RunConventions) -> list[s
             f"{max_new}: answers are cut by the server"
         )
     return out
+
+
+def sequence_warnings(params: Params, prompt_tokens: int) -> list[str]:
+    """Generated tokens that tokenize would cut: a sample longer than tokenize.max_seq_len."""
+    max_new, max_len = params.generate.max_new_tokens, params.tokenize.max_seq_len
+    longest, capped = prompt_tokens + max_new, ""
+    if params.generate.backend == "vllm" and params.vllm.max_model_len < longest:
+        longest, capped = params.vllm.max_model_len, ", capped by vllm.max_model_len"
+    if longest <= max_len:
+        return []
+    return [
+        f"a sample reaches {longest:,} tokens (prompt ~{prompt_tokens:,} + "
+        f"generate.max_new_tokens {max_new:,}{capped}) but tokenize keeps the first "
+        f"{max_len:,}: up to {longest - max_len:,} generated tokens per sample are thrown away: "
+        f"raise tokenize.max_seq_len (and vllm.max_model_len) to {longest:,}"
+    ]
+
+
+def memory_warnings(serving: ServingMemory | None) -> list[str]:
+    """A verifier that leaves no KV room, or more concurrent requests than the KV cache holds
+    (vLLM then preempts and recomputes them)."""
+    if serving is None:
+        return []
+    s = serving
+    if s.kv_room_bytes <= 0:
+        return [
+            f"the verifier's weights ({s.weights_per_gpu / 1e9:,.1f} GB per GPU at TP "
+            f"{s.tp}) leave no KV cache in {s.utilization:.0%} of vllm.gpu_memory_gib: raise "
+            "vllm.tensor_parallel_size or use GPUs with more memory"
+        ]
+    if s.max_concurrency < s.concurrency:
+        return [
+            f"generate.concurrency {s.concurrency} x {s.request_tokens:,} tokens needs "
+            f"{s.concurrency * s.request_tokens * s.kv_bytes_per_token / 1e9:,.1f} GB of KV cache "
+            f"per GPU but ~{s.kv_room_bytes / 1e9:,.1f} GB holds {s.max_concurrency}: vLLM "
+            f"preempts and recomputes requests: set generate.concurrency <= "
+            f"{max(1, s.max_concurrency)}"
+        ]
+    return []

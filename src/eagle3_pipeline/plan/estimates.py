@@ -93,7 +93,34 @@ def _templated_prompt_tokens(params: Params, source: Path) -> tuple[int, int] | 
     return len(rows), total
 
 
-def estimate_tokens(params: Params, tokens: int | None, prompts: int | None) -> TokenEstimate:
+@dataclass(frozen=True)
+class PromptLength:
+    """Mean prompt tokens as the server will see them, and how that number was reached."""
+
+    tokens: int
+    how: str
+
+
+def prompt_length(params: Params) -> PromptLength:
+    """The verifier's chat template over the prompt files when both are at hand, else
+    characters / CHARS_PER_TOKEN, else ASSUMED_PROMPT_TOKENS."""
+    source = Path(params.prepare.prompts)
+    stats = _prompt_stats(source) if source.exists() else None
+    templated = _templated_prompt_tokens(params, source) if stats is not None else None
+    if isinstance(templated, tuple) and templated[0]:
+        n = max(1, round(templated[1] / templated[0]))
+        return PromptLength(n, f"~{n:,} prompt (mean, verifier's chat template)")
+    if stats is not None and stats[0]:
+        n = max(1, round(stats[1] / stats[0] / CHARS_PER_TOKEN))
+        return PromptLength(
+            n, f"~{n:,} prompt (chars/{CHARS_PER_TOKEN}; not templated: {templated})"
+        )
+    return PromptLength(ASSUMED_PROMPT_TOKENS, f"{ASSUMED_PROMPT_TOKENS:,} prompt (assumed)")
+
+
+def estimate_tokens(
+    params: Params, tokens: int | None, prompts: int | None, prompt: PromptLength | None = None
+) -> TokenEstimate:
     """Tokens the store will hold: given, or prompts x min(prompt + max_new_tokens, max_seq_len).
 
     An upper bound: it assumes every answer runs to generate.max_new_tokens.
@@ -111,34 +138,33 @@ def estimate_tokens(params: Params, tokens: int | None, prompts: int | None) -> 
         n, how_n = cap, f"prepare.max_prompts; {source} not found"
     else:
         return TokenEstimate(None, [f"unknown: {source} not found; pass --tokens N or --prompts N"])
-    templated = _templated_prompt_tokens(params, source) if stats is not None else None
-    if isinstance(templated, tuple) and templated[0]:
-        prompt_len = max(1, round(templated[1] / templated[0]))
-        how_len = f"~{prompt_len:,} prompt (mean, verifier's chat template)"
-    elif stats is not None and stats[0]:
-        prompt_len = max(1, round(stats[1] / stats[0] / CHARS_PER_TOKEN))
-        how_len = f"~{prompt_len:,} prompt (chars/{CHARS_PER_TOKEN}; not templated: {templated})"
-    else:
-        prompt_len = ASSUMED_PROMPT_TOKENS
-        how_len = f"{prompt_len:,} prompt (assumed)"
+    prompt = prompt or prompt_length(params)
     max_new, max_len = params.generate.max_new_tokens, params.tokenize.max_seq_len
-    per_sample = min(prompt_len + max_new, max_len)
+    per_sample = min(prompt.tokens + max_new, max_len)
     how = [
         f"{n:,} prompts ({how_n})",
-        f"x min({how_len} + {max_new:,} new, max_seq_len {max_len:,}) = {per_sample:,} per sample",
+        f"x min({prompt.how} + {max_new:,} new, max_seq_len {max_len:,}) = {per_sample:,} "
+        "per sample",
         "(upper bound: every answer runs to generate.max_new_tokens)",
     ]
     return TokenEstimate(n * per_sample, how)
 
 
+def global_batch_tokens(params: Params) -> int:
+    """Tokens per optimizer step: each of train.nproc ranks packs its own batch of
+    train.max_tokens_per_batch, train.grad_accumulation times."""
+    t = params.train
+    return t.max_tokens_per_batch * t.nproc * t.grad_accumulation
+
+
 def schedule(params: Params, total_tokens: int) -> tuple[int, int, int, int]:
     """(train tokens, steps per epoch, total steps, warm-up steps) as speculators resolves them.
 
-    One optimizer step per packed batch of train.max_tokens_per_batch tokens; warm-up is
+    One optimizer step per global batch (global_batch_tokens); warm-up is
     int(total steps x warmup_ratio).
     """
     t = params.train
     train_tokens = round(total_tokens * (1 - params.prepare.val_ratio))
-    steps = math.ceil(train_tokens / t.max_tokens_per_batch)
+    steps = math.ceil(train_tokens / global_batch_tokens(params))
     total = steps * t.epochs
     return train_tokens, steps, total, int(total * t.warmup_ratio)

@@ -19,7 +19,7 @@ from eagle3_pipeline.drafter.shape import (
     parameter_groups,
 )
 from eagle3_pipeline.params import Params
-from eagle3_pipeline.plan import checks, estimates, inputs
+from eagle3_pipeline.plan import checks, estimates, inputs, memory
 from eagle3_pipeline.verifier import identity as vf
 from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
 
@@ -49,6 +49,10 @@ class Plan:
     epochs: int
     keep_last: int | None
     max_tokens_per_batch: int
+    global_batch_tokens: int
+    prompt: estimates.PromptLength
+    serving: memory.ServingMemory | None
+    training: memory.TrainMemory
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -104,7 +108,9 @@ def make_plan(
         drafter = drafter_from_verifier(config, params, run)
     groups = parameter_groups(drafter, len(aux), params.train.train_lm_head)
     weights, optimizer = estimates.checkpoint_bytes(groups, drafter)
-    estimate = estimates.estimate_tokens(params, tokens, prompts)
+    prompt = estimates.prompt_length(params)
+    estimate = estimates.estimate_tokens(params, tokens, prompts, prompt)
+    serving = memory.serving_memory(params, config, config_file, prompt.tokens)
     steps = (
         estimates.schedule(params, estimate.total) if estimate.total is not None else (None,) * 4
     )
@@ -130,5 +136,11 @@ def make_plan(
         epochs=params.train.epochs,
         keep_last=params.train.keep_last,
         max_tokens_per_batch=params.train.max_tokens_per_batch,
-        warnings=checks.run_warnings(params, drafter, run),
+        global_batch_tokens=estimates.global_batch_tokens(params),
+        prompt=prompt,
+        serving=serving,
+        training=memory.train_memory(params, groups, drafter),
+        warnings=checks.run_warnings(params, drafter, run)
+        + checks.sequence_warnings(params, prompt.tokens)
+        + checks.memory_warnings(serving),
     )

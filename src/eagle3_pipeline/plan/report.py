@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from eagle3_pipeline import paths
+from eagle3_pipeline.plan import memory
 from eagle3_pipeline.plan.plan import Plan
 
 TRAIN_SCRATCH = paths.SCRATCH / "train"  # where the train stage keeps its epoch checkpoints
@@ -97,7 +98,7 @@ def _cost_lines(p: Plan) -> list[str]:
             ),
             _row(
                 "schedule",
-                f"{p.train_tokens:,} train tokens / {p.max_tokens_per_batch:,} per batch "
+                f"{p.train_tokens:,} train tokens / {p.global_batch_tokens:,} per step "
                 f"= {p.steps_per_epoch:,} steps/epoch",
             ),
             _row(
@@ -122,8 +123,42 @@ def _cost_lines(p: Plan) -> list[str]:
     return lines
 
 
+def _memory_lines(p: Plan) -> list[str]:
+    """vLLM's KV room per GPU and the concurrency it holds; training memory per rank."""
+    lines: list[str] = []
+    s = p.serving
+    if s is None:
+        lines.append(_row("vLLM memory", "not estimated (set vllm.gpu_memory_gib)"))
+    else:
+        lines += [
+            _row(
+                "vLLM memory",
+                f"{s.gpu_bytes / 2**30:,.0f} GiB x {s.utilization:.2f} per GPU - weights "
+                f"{_size(s.weights_per_gpu)} (/ TP {s.tp}; {s.weights.how}) - runtime "
+                f"{_size(memory.RUNTIME_RESERVE_BYTES)} = KV room {_size(max(0, s.kv_room_bytes))}",
+            ),
+            _row("", f"KV {s.kv_bytes_per_token:,} B/token ({s.kv_how}): {s.kv_tokens:,} tokens"),
+            _row(
+                "concurrency",
+                f"{s.kv_tokens:,} / {s.request_tokens:,} per request ({p.prompt.how} + "
+                f"max_new_tokens) = {s.max_concurrency} at once; generate.concurrency "
+                f"{s.concurrency}",
+            ),
+        ]
+    t = p.training
+    parts = " + ".join(f"{k} {_size(v)}" for k, v in t.parts.items())
+    lines.append(
+        _row(
+            "training",
+            f"~{_size(t.total)} per rank ({t.nproc} x {t.strategy}): {parts}",
+        )
+    )
+    return lines
+
+
 def render(p: Plan) -> str:
     """The whole report: header, verifier, drafter, costs, then one line per warning."""
     head = [_row("plan", f"profile {p.profile} ({p.params_path}), from config files only")]
     warn = [_row("warning", w) for w in p.warnings]
-    return "\n".join(head + _verifier_lines(p) + _drafter_lines(p) + _cost_lines(p) + warn)
+    body = _verifier_lines(p) + _drafter_lines(p) + _cost_lines(p) + _memory_lines(p)
+    return "\n".join(head + body + warn)

@@ -114,7 +114,8 @@ def test_flat_config_carries_what_vllm_reads(converted: dict[str, Any]) -> None:
         "eagle_aux_hidden_state_layer_ids": AUX,
         "use_aux_hidden_state": True,
     }
-    assert "eagle_aux_hidden_state_layer_ids" not in flat  # one place, the one SGLang reads
+    # vLLM's ids also at the top level: Model Runner V2 never reads eagle_config's key.
+    assert flat["eagle_aux_hidden_state_layer_ids"] == AUX
     assert {k: flat[k] for k in ff.FLAGS} == {
         "norm_before_residual": True,
         "norm_before_fc": True,
@@ -165,6 +166,11 @@ def test_sglang_export_writes_sglang_ids(converted: dict[str, Any], tmp_path: Pa
     ckpt = ff.open_checkpoint(out)
     assert ckpt.aux_layer_ids == [1, 3, 4] and ckpt.vllm_aux_layer_ids == AUX
     assert ff.to_speculators_config(_config(out), "v")["eagle_aux_hidden_state_layer_ids"] == AUX
+    # vLLM (either model runner) reads the top level first: our ids, not SGLang's.
+    assert config["eagle_aux_hidden_state_layer_ids"] == AUX
+    edited = _config(out) | {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}
+    with pytest.raises(CheckpointError, match="disagree with eagle_config"):
+        ff.read_conventions(edited, out / "config.json")
 
 
 def test_sglang_refuses_what_it_cannot_compute(converted: dict[str, Any], tmp_path: Path) -> None:

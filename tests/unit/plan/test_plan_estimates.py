@@ -18,11 +18,18 @@ def test_schedule_from_prompt_files(tmp_path: Path) -> None:
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     params = load_params(PROFILE).model_copy(deep=True)
     params.prepare.prompts = str(prompts)
+    params.tokenize.max_seq_len = 8192
     estimate = estimates.estimate_tokens(params, tokens=None, prompts=None)
     assert estimate.total == 3 * 8192  # 100 prompt + 16,384 new, capped at max_seq_len 8,192
     params.tokenize.max_seq_len = 32768
     assert estimates.estimate_tokens(params, None, None).total == 3 * (100 + 16384)
+    params.train.nproc, params.train.max_tokens_per_batch = 1, 8192
+    params.train.warmup_ratio = 0.01
     assert estimates.schedule(params, 100_000) == (90_000, 11, 55, 0)
+    # One optimizer step takes every rank's batch, grad_accumulation times.
+    params.train.nproc, params.train.grad_accumulation = 8, 2
+    assert estimates.global_batch_tokens(params) == 8 * 2 * 8192
+    assert estimates.schedule(params, 10_000_000)[1] == -(-9_000_000 // (16 * 8192))
 
 
 def test_store_bytes_per_token_are_the_store_formats() -> None:

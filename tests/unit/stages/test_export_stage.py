@@ -82,3 +82,38 @@ def test_export_writes_the_runs_flags(verifier: Path, tmp_path: Path) -> None:
     # SGLang computes exactly this wiring: the flat export for it is allowed now.
     sglang = run_export(root, params("flat", "sglang", flags=SPECFORGE_FLAGS))
     assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in AUX]
+
+
+def _vllm_draft_hf_config(path: Path):
+    """The draft hf_config vLLM serves `path` with: its own config loader, then the EAGLE
+    wrapper SpeculativeConfig puts around a non-speculators config for method eagle3."""
+    from vllm.transformers_utils.config import get_config
+    from vllm.transformers_utils.configs.eagle import EAGLEConfig
+    from vllm.transformers_utils.configs.speculators import SpeculatorsConfig
+
+    config = get_config(str(path), trust_remote_code=False)
+    if not isinstance(config, (EAGLEConfig, SpeculatorsConfig)):
+        config = EAGLEConfig(config, method="eagle3", model_type="eagle")
+    return config
+
+
+def test_both_vllm_model_runners_read_the_runs_aux_ids(verifier: Path, tmp_path: Path) -> None:
+    """Every export format, read by vLLM's own readers: Model Runner V2 (what vLLM 0.32 picks on
+    GPUs) and V1 (CPU) both get the run's aux ids, not the verifier's default layers."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
+        get_eagle3_aux_layers_from_config as mrv2_reader,
+    )
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    root = make_repo(tmp_path / "repo", verifier, legacy=True)
+    for fmt, server in (("speculators", "vllm"), ("flat", "vllm"), ("flat", "sglang")):
+        run_export(root, params(fmt, server, flags=SPECFORGE_FLAGS))
+        hf_config = _vllm_draft_hf_config(root / "models/drafter")
+        spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf_config))
+        v1 = GPUModelRunner._get_eagle3_aux_layers_from_config(  # noqa: SLF001
+            SimpleNamespace(speculative_config=spec)
+        )
+        assert mrv2_reader(spec) == tuple(AUX), (fmt, server)
+        assert v1 == tuple(AUX), (fmt, server)
