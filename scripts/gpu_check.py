@@ -46,6 +46,9 @@ from typing import Any
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from eagle3_pipeline.serving.served_with import served_with  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 BUDGET_S = 570.0  # the whole run, under 10 minutes
 # CUDA major.minor of the wheels (locks/cuda.txt) -> oldest Linux driver that runs it (NVIDIA's
@@ -412,25 +415,6 @@ def kimi_params(tokenizer_workspace: dict[str, Any], gpus: int) -> dict[str, Any
             },
         },
     )
-
-
-def served_with(log_text: str) -> dict[str, str]:
-    """The model runner and the backends vLLM chose, from its server log."""
-    runner = "Model Runner V2"
-    fallback = re.search(r"Model Runner V2 (requires|does not yet support) ([^;]*);", log_text)
-    if fallback:
-        runner = f"V1 (MRV2 {fallback[1]} {fallback[2]})"
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0":
-        runner = "V1 (VLLM_USE_V2_MODEL_RUNNER=0)"
-    attention = sorted(set(re.findall(r"Using (\w+) attention backend", log_text)))
-    moe = sorted(set(re.findall(r"Using '?(\w+)'? (?:[\w-]+ )*?MoE backend", log_text)))
-    fusion = re.search(r"""['"]?fuse_allreduce_rms['"]?\s*[:=]\s*(\w+)""", log_text)
-    return {
-        "runner": runner,
-        "attention": ",".join(attention) or "not logged",
-        "moe": ",".join(moe) or "not logged",
-        "allreduce+rmsnorm fusion": fusion[1] if fusion else "not logged",
-    }
 
 
 NVCC_PROBE = r"""

@@ -1,97 +1,110 @@
-"""Prompt rows in the formats users hold -> our conversation rows `{id, messages[, tools]}`.
+"""Prompt rows in the shapes chat datasets are published in -> our rows `{id, messages[, tools]}`.
 
-Accepted, per row: OpenAI chat (`messages` with system/user/assistant/tool turns, text content
-parts, assistant `tool_calls`, a row-level `tools` list) and ShareGPT (`conversations` of
-`{from, value}`). Files: `.jsonl` (read line by line, so every error names its line), `.json`
-(an array of rows, or JSON lines) and `.parquet` (through pyarrow, the reader `datasets` uses).
+Shapes, by the field that holds the conversation (the first present wins):
 
-A row's last turn is the one the verifier answers, so it must be a user or tool turn. A trailing
-assistant turn is refused, or with `trailing_assistant="regenerate"` dropped: the verifier writes
-its own answer in its place. Earlier assistant turns stay as context (never supervised).
+- `messages`: OpenAI chat (system/user/assistant/tool turns, text content parts, assistant
+  `tool_calls`, a row-level `tools` list or JSON string); UltraChat (`prompt`, `prompt_id` beside).
+- `conversations` / `conversation`: ShareGPT/Vicuna `{from, value}` turns (`human`, `gpt`,
+  `system`; extra keys such as `weight` or `markdown` ignored), as in Magpie and OpenHermes-2.5;
+  turns written `{role, content}` are read too (LMSYS-Chat, WildChat).
+- `instruction` (+ `input`, `output`, `system`): Alpaca.
+- `prompt` (a string, + `system`): one user turn.
+
 Keys we do not know are dropped; known optional keys appear only when present, so plain rows come
 out exactly as they went in.
 
-Ids are data: any non-empty string (or integer) works, `sharegpt/12345`, UUIDs with colons and
-non-ASCII included (the store derives a safe file name from it: store/names.py). Refused, with the
-file and line of every such row at once: a missing, empty or non-string id, a control character
-(a trailing newline), text that is not valid UTF-8, and duplicates.
+A row's last turn is the one the verifier answers, so it must be a user or tool turn. A trailing
+assistant turn (ShareGPT's and Alpaca's `output`) is refused, or with
+`trailing_assistant="regenerate"` dropped: the verifier writes its own answer in its place.
+Earlier assistant turns stay as context (never supervised).
+
+Ids: the row's `id_field` when given; else `id`, or the dataset's own id field (ID_FIELDS); else
+one derived from the conversation itself (`conv-` + 20 hex digits of the sha256 of its canonical
+JSON), the same on every machine and in any row order. Any non-empty string or integer is an id
+(`sharegpt/12345`, UUIDs, non-ASCII: store/names.py makes file names of them).
+
+A row that cannot be used raises `Unusable` (a DataError) with a short `reason` that prepare counts
+("empty", "assistant-first", ...): prepare skips and lists such rows. A file whose first row has no
+known shape is not a prompt set: `unknown_shape` says so in one line.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import unicodedata
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 from eagle3_pipeline.errors import DataError
+from eagle3_pipeline.prompt_files import Where, prompt_files, raw_rows
 
 TrailingAssistant = Literal["refuse", "regenerate"]
-SUFFIXES = (".jsonl", ".json", ".parquet")
 ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {
+ROLE_ALIASES = {
     "system": "system",
     "human": "user",
     "user": "user",
     "gpt": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
     "assistant": "assistant",
     "tool": "tool",
     "observation": "tool",
 }
+# Dataset id fields tried after `id`, in order (UltraChat, Magpie, LMSYS-Chat, MT-Bench, ...).
+ID_FIELDS = ("id", "prompt_id", "uuid", "conversation_id", "question_id", "idx")
+DERIVED_ID_PREFIX = "conv-"
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # Unicode category Cc
+_SURROGATE = re.compile("[\ud800-\udfff]")
+SHAPES = (
+    "'messages' (OpenAI chat, UltraChat)",
+    "'conversations' or 'conversation' (ShareGPT, Magpie, OpenHermes)",
+    "'instruction' (Alpaca)",
+    "'prompt' (a string)",
+)
 
 
-def prompt_files(source: Path) -> list[Path]:
-    if source.is_file():
-        return [source]
-    if not source.is_dir():
-        raise DataError(
-            f"{source}: prompt set not found: set prepare.prompts to a file "
-            f"({', '.join(SUFFIXES)}) or a directory of them"
-        )
-    return sorted(f for f in source.iterdir() if f.is_file() and f.suffix in SUFFIXES)
+class Unusable(DataError):  # noqa: N818 (a row, not a failure of the program)
+    """One row prepare cannot use; `reason` is the short name it is counted under."""
+
+    def __init__(self, where: object, reason: str, detail: str) -> None:
+        super().__init__(f"{where}: {detail}")
+        self.where, self.reason, self.detail = where, reason, detail
 
 
-def raw_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """(where, row) for every row of one file; `where` names the file and line or row."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            table = pq.read_table(path)
-        except Exception as exc:  # pyarrow raises several types for a damaged file
-            raise DataError(f"{path}: not a readable parquet file ({exc})") from None
-        for n, row in enumerate(table.to_pylist(), 1):
-            yield f"{path}: row {n}", row
-        return
-    data = path.read_bytes()
-    if path.suffix == ".json" and data.lstrip()[:1] == b"[":
-        try:
-            rows = json.loads(_decode(data, f"{path}"))
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}: line {exc.lineno}: not valid JSON ({exc.msg})") from None
-        for n, row in enumerate(rows, 1):
-            yield f"{path}: row {n}", row
-        return
-    for n, line in enumerate(data.split(b"\n"), 1):
-        where = f"{path}: line {n}"
-        text = _decode(line, where)
-        if not text.strip():
-            continue
-        try:
-            yield where, json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
+def unknown_shape(row: Any, where: object) -> DataError:
+    """The one-line error for a file whose rows have no shape we know."""
+    return DataError(
+        f"{where}: rows of an unknown shape ({_found(row)}): accepted are rows with "
+        f"{'; '.join(SHAPES)}: convert the file, or rename its conversation field to 'messages'"
+    )
 
 
-def _decode(data: bytes, where: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError(
-            f"{where}: not UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start}): "
-            "re-encode the file as UTF-8"
-        ) from None
+def _found(row: Any) -> str:
+    if not isinstance(row, dict):
+        return f"a JSON {_kind(row)}, not an object"
+    keys = [k if k.isprintable() and len(k) <= 40 else repr(k)[:40] for k in map(str, row)]
+    return (
+        "keys: " + ", ".join(keys[:20]) + (f", ... ({len(keys)} in all)" if len(keys) > 20 else "")
+    )
+
+
+def _kind(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", type(None): "null"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def has_shape(row: Any) -> bool:
+    """Whether `row` holds a conversation in one of the SHAPES (usable or not)."""
+    if not isinstance(row, dict):
+        return False
+    fields = ("messages", "conversations", "conversation", "instruction")
+    return any(row.get(k) is not None for k in fields) or isinstance(row.get("prompt"), str)
 
 
 def id_problem(value: Any) -> str | None:
@@ -99,103 +112,178 @@ def id_problem(value: Any) -> str | None:
     if isinstance(value, int) and not isinstance(value, bool):
         return None
     if not isinstance(value, str) or not value.strip():
-        return f"field 'id' must be a non-empty string (got {value!r})"
-    for ch in value:
-        if unicodedata.category(ch) == "Cc":
-            return f"id {value!r} holds the control character U+{ord(ch):04X}"
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return f"id {value!r} is not valid Unicode (a lone surrogate)"
+        return f"must be a non-empty string (got {value!r:.80})"
+    if (control := _CONTROL.search(value)) is not None:
+        return f"{value!r:.80} holds the control character U+{ord(control.group()):04X}"
+    if _SURROGATE.search(value):
+        return f"{value!r:.80} is not valid Unicode (a lone surrogate)"
     return None
 
 
-def normalize(row: Any, where: str, trailing_assistant: TrailingAssistant = "refuse") -> dict:
-    """One row in any accepted format -> `{id, messages[, tools]}`, or a DataError at `where`."""
+def derived_id(messages: list[dict], tools: list[dict]) -> str:
+    """`conv-<20 hex>`: the sha256 of the conversation's canonical JSON (sorted keys, ASCII)."""
+    canonical = json.dumps(
+        {"messages": messages, "tools": tools}, sort_keys=True, separators=(",", ":")
+    )
+    return DERIVED_ID_PREFIX + hashlib.sha256(canonical.encode()).hexdigest()[:20]
+
+
+def is_derived_id(sample_id: str) -> bool:
+    return sample_id.startswith(DERIVED_ID_PREFIX) and len(sample_id) == len(DERIVED_ID_PREFIX) + 20
+
+
+def normalize(
+    row: Any,
+    where: object,
+    trailing_assistant: TrailingAssistant = "refuse",
+    id_field: str | None = None,
+) -> dict:
+    """One row of any accepted shape -> `{id, messages[, tools]}`, or Unusable naming `where`."""
     if not isinstance(row, dict):
-        raise DataError(f"{where}: each row must be a JSON object with 'id' and 'messages'")
-    if (problem := id_problem(row.get("id"))) is not None:
-        raise DataError(f"{where}: {problem}")
-    sample_id = str(row["id"])
-    if row.get("messages") is not None:
-        messages = _openai_messages(row["messages"], where)
-    elif row.get("conversations") is not None:
-        messages = _sharegpt_messages(row["conversations"], where)
-    else:
-        raise DataError(
-            f"{where}: no 'messages' (OpenAI chat) or 'conversations' (ShareGPT) field in "
-            f"row {sample_id!r}"
+        raise Unusable(where, "not-an-object", f"row is a JSON {_kind(row)}, not an object")
+    explicit = _explicit_id(row, where, id_field)
+    messages = _messages(row, where)
+    if not messages:
+        raise Unusable(where, "empty", "empty conversation (no turns)")
+    roles = [m["role"] for m in messages]
+    if "user" not in roles:
+        raise Unusable(
+            where, "no-user-turn", f"no user turn (roles: {', '.join(sorted(set(roles)))})"
         )
-    if messages and messages[-1]["role"] == "assistant":
+    first = next(r for r in roles if r != "system")
+    if first != "user":
+        raise Unusable(
+            where,
+            f"{first}-first",
+            f"the first turn after the system prompt is the {first}'s, not the user's",
+        )
+    if roles[-1] == "assistant":
         if trailing_assistant == "refuse":
-            raise DataError(
-                f"{where}: field 'messages' must end with a user turn (id {sample_id}): remove "
-                "the final assistant turn, or set prepare.trailing_assistant: regenerate"
+            raise Unusable(
+                where,
+                "trailing-assistant",
+                "ends with an assistant turn: remove it, or set prepare.trailing_assistant: "
+                "regenerate (the verifier then answers in its place)",
             )
         messages = messages[:-1]
-    if not messages or messages[-1]["role"] not in ("user", "tool"):
-        raise DataError(
-            f"{where}: field 'messages' must end with a user turn (id {sample_id}) and hold "
-            "at least one"
+    if messages[-1]["role"] not in ("user", "tool"):
+        raise Unusable(
+            where, "no-final-user-turn", "must end with a user or tool turn for the verifier"
         )
-    out: dict[str, Any] = {"id": sample_id, "messages": messages}
     tools = _tools(row.get("tools"), where)
+    sample_id = explicit if explicit is not None else derived_id(messages, tools)
+    out: dict[str, Any] = {"id": sample_id, "messages": messages}
     if tools:
         out["tools"] = tools
     return out
 
 
-def _openai_messages(messages: Any, where: str) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}")
-    return [_message(m, where) for m in messages]
+def _explicit_id(row: dict, where: object, id_field: str | None) -> str | None:
+    """The row's own id (None: derive one); `id_field` must be present when named."""
+    for field in (id_field,) if id_field else ID_FIELDS:
+        value = row.get(field)
+        if value is None and not id_field:
+            continue  # parquet gives absent fields as None
+        if (problem := id_problem(value)) is not None:
+            fix = "fix it" if id_field else "fix it, or name another field in prepare.id_field"
+            raise Unusable(where, "bad-id", f"field {field!r} {problem}: {fix}")
+        return str(value)
+    return None
 
 
-def _message(m: Any, where: str) -> dict:
-    bad = (
-        f"{where}: field 'messages' has an entry that is not "
-        "{'role': system|user|assistant|tool, 'content': str or text parts}"
-    )
-    if not isinstance(m, dict) or m.get("role") not in ROLES:
-        raise DataError(bad)
-    out: dict[str, Any] = {"role": m["role"], "content": m.get("content")}
-    calls = m.get("tool_calls")
-    if calls:
-        if m["role"] != "assistant":
-            raise DataError(f"{where}: 'tool_calls' on a {m['role']} turn: only assistant turns")
-        out["tool_calls"] = [_tool_call(c, where) for c in calls]
-    if out["content"] is None and "tool_calls" in out:
-        out["content"] = ""
-    out["content"] = _content(out["content"], where, bad)
-    for key in ("tool_call_id", "name"):
-        if m["role"] == "tool" and isinstance(m.get(key), str):
-            out[key] = m[key]
+def _messages(row: dict, where: object) -> list[dict]:
+    for key in ("messages", "conversations", "conversation"):
+        if row.get(key) is not None:
+            turns = row[key]
+            if not isinstance(turns, list):
+                raise Unusable(where, "bad-turns", f"field {key!r} is not a list of turns")
+            return [_message(t, where, key) for t in turns]
+    if row.get("instruction") is not None:
+        return _alpaca(row, where)
+    if isinstance(row.get("prompt"), str):
+        system = [_text("system", row["system"])] if row.get("system") else []
+        return [*system, _text("user", row["prompt"])] if row["prompt"].strip() else []
+    raise Unusable(where, "unknown-shape", f"no conversation field ({_found(row)})")
+
+
+def _text(role: str, content: str) -> dict:
+    return {"role": role, "content": content}
+
+
+def _alpaca(row: dict, where: object) -> list[dict]:
+    instruction, extra = row.get("instruction"), row.get("input")
+    if not isinstance(instruction, str) or not isinstance(extra or "", str):
+        raise Unusable(where, "bad-content", "fields 'instruction' and 'input' must be strings")
+    if not instruction.strip():
+        return []
+    user = f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
+    out = [_text("system", row["system"])] if isinstance(row.get("system"), str) else []
+    out.append(_text("user", user))
+    if isinstance(row.get("output"), str) and row["output"]:
+        out.append(_text("assistant", row["output"]))
     return out
 
 
-def _content(content: Any, where: str, bad: str) -> str | list[dict]:
+def _message(m: Any, where: object, key: str) -> dict:
+    if not isinstance(m, dict):
+        raise Unusable(where, "bad-turns", f"field {key!r} has a turn that is not an object")
+    sharegpt = m.get("role") is None and m.get("from") is not None
+    name = m.get("from") if sharegpt else m.get("role")
+    role = ROLE_ALIASES.get(name.lower() if isinstance(name, str) else name)
+    if role is None:
+        raise Unusable(
+            where,
+            "unknown-role",
+            f"field {key!r} has a turn with role {name!r:.60}: known roles are "
+            f"{', '.join(ROLE_ALIASES)}",
+        )
+    out: dict[str, Any] = {"role": role, "content": m.get("value" if sharegpt else "content")}
+    calls = m.get("tool_calls")
+    if calls:
+        if role != "assistant":
+            raise Unusable(
+                where, "bad-tool-call", f"'tool_calls' on a {role} turn: only assistant turns"
+            )
+        out["tool_calls"] = [_tool_call(c, where) for c in calls]
+    if out["content"] is None and "tool_calls" in out:
+        out["content"] = ""
+    out["content"] = _content(out["content"], where)
+    for k in ("tool_call_id", "name"):
+        if role == "tool" and isinstance(m.get(k), str):
+            out[k] = m[k]
+    return out
+
+
+def _content(content: Any, where: object) -> str | list[dict]:
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:
-        raise DataError(bad)
+        raise Unusable(
+            where,
+            "bad-content",
+            f"a turn's content is a JSON {_kind(content)}: it must be a string or text parts",
+        )
     parts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" or not isinstance(part.get("text"), str):
-            raise DataError(
-                f"{where}: content part of type {kind!r}: only text parts "
-                "({'type': 'text', 'text': str}) are supported; drop or convert the others"
+            raise Unusable(
+                where,
+                "bad-content",
+                f"content part of type {kind!r}: only text parts "
+                "({'type': 'text', 'text': str}) are supported",
             )
         parts.append({"type": "text", "text": part["text"]})
     return parts
 
 
-def _tool_call(call: Any, where: str) -> dict:
+def _tool_call(call: Any, where: object) -> dict:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise DataError(
-            f"{where}: a tool call must be {{'type': 'function', 'function': {{'name': str, "
-            "'arguments': ...}}}"
+        raise Unusable(
+            where,
+            "bad-tool-call",
+            "a tool call must be {'type': 'function', 'function': {'name': str, 'arguments': ...}}",
         )
     out: dict[str, Any] = {"type": "function", "function": {"name": fn["name"]}}
     if isinstance(call.get("id"), str):
@@ -206,62 +294,52 @@ def _tool_call(call: Any, where: str) -> dict:
     return out
 
 
-def _tools(tools: Any, where: str) -> list[dict]:
+def _tools(tools: Any, where: object) -> list[dict]:
     if tools is None or tools == "" or tools == []:
         return []
     if isinstance(tools, str):  # ShareGPT exports often hold the list as a JSON string
         try:
             tools = json.loads(tools)
         except json.JSONDecodeError:
-            raise DataError(f"{where}: field 'tools' is a string but not JSON") from None
+            raise Unusable(where, "bad-tools", "field 'tools' is a string but not JSON") from None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise DataError(f"{where}: field 'tools' must be a list of tool definitions (objects)")
+        raise Unusable(
+            where, "bad-tools", "field 'tools' must be a list of tool definitions (objects)"
+        )
     return tools
 
 
-def _sharegpt_messages(turns: Any, where: str) -> list[dict]:
-    if not isinstance(turns, list) or not turns:
-        raise DataError(
-            f"{where}: field 'conversations' must be a non-empty list of {{from, value}}"
-        )
-    out = []
-    for turn in turns:
-        role = SHAREGPT_ROLES.get(turn.get("from")) if isinstance(turn, dict) else None
-        if role is None or not isinstance(turn.get("value"), str):
-            raise DataError(
-                f"{where}: field 'conversations' has an entry that is not {{'from': "
-                f"{'|'.join(SHAREGPT_ROLES)}, 'value': str}}"
-            )
-        out.append({"role": role, "content": turn["value"]})
-    return out
+def read(
+    source: Path,
+    trailing_assistant: TrailingAssistant = "refuse",
+    id_field: str | None = None,
+) -> Iterator[tuple[Where, dict | Unusable]]:
+    """(where, normalized row or the reason it is unusable) for every row, streamed, in file
+    order. A file whose first row has no known shape raises `unknown_shape` (and a file that is
+    not readable, prompt_files' DataError): those are not prompt sets."""
+    for path in prompt_files(source):
+        first = True
+        for where, raw in raw_rows(path):
+            if first and not has_shape(raw):
+                raise unknown_shape(raw, where)
+            first = False
+            try:
+                yield where, normalize(raw, where, trailing_assistant, id_field)
+            except Unusable as exc:
+                yield where, exc
 
 
-def load(source: Path, trailing_assistant: TrailingAssistant = "refuse") -> list[dict]:
-    """Every row of a prompt file or directory, normalized; ids unique across files.
-
-    Bad ids are collected over every file and refused together, each with its file and line.
-    """
+def load(
+    source: Path,
+    trailing_assistant: TrailingAssistant = "refuse",
+    id_field: str | None = None,
+) -> list[dict]:
+    """The usable rows of a prompt set, in memory, each id once (the first row kept): what
+    prepare keeps, before its split and cap. For estimates (the plan); prepare itself streams."""
     rows: list[dict] = []
-    seen: dict[str, str] = {}
-    bad: list[str] = []
-    for f in prompt_files(source):
-        for where, raw in raw_rows(f):
-            if isinstance(raw, dict) and (problem := id_problem(raw.get("id"))) is not None:
-                bad.append(f"{where}: {problem}")
-                continue
-            row = normalize(raw, where, trailing_assistant)
-            if row["id"] in seen:
-                bad.append(f"{where}: duplicate id {row['id']!r} (first in {seen[row['id']]})")
-                continue
-            seen[row["id"]] = where
+    seen: set[str] = set()
+    for _, row in read(source, trailing_assistant, id_field):
+        if isinstance(row, dict) and row["id"] not in seen:
+            seen.add(row["id"])
             rows.append(row)
-    if bad:
-        raise DataError(
-            f"{len(bad)} row(s) with an id that cannot be used: " + "; ".join(bad) + ": give each "
-            "row a unique, non-empty id without control characters (any other text works)"
-        )
-    if not rows:
-        raise DataError(
-            f"{source}: prompt set is empty: add rows with id and messages ({', '.join(SUFFIXES)})"
-        )
     return rows

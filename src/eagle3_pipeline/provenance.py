@@ -32,6 +32,7 @@ import yaml
 from eagle3_pipeline import atomic, paths
 from eagle3_pipeline.errors import ParamsError
 from eagle3_pipeline.params import Params
+from eagle3_pipeline.serving.served_with import served_in
 
 RECORD_DIR = paths.PROVENANCE
 DVC_YAML = Path("dvc.yaml")
@@ -202,6 +203,10 @@ def record(
     rec = collect(stage, params, params_path=params_path)
     if duration_s is not None:
         rec["duration_s"] = round(duration_s, 3)
+    started = datetime.now(UTC).timestamp() - (duration_s or 0.0)
+    served = served_in(paths.SCRATCH / stage, since=started)
+    if served:  # the runner and kernels of each vLLM server the stage started
+        rec["vllm_served_with"] = served
     atomic.write_json(path, rec)
     return path
 

@@ -112,6 +112,32 @@ def test_record_keeps_the_stage_duration(tmp_path: Path, monkeypatch: pytest.Mon
     assert "duration_s" not in json.loads(provenance.record("vocab", Params()).read_text())
 
 
+def test_record_says_which_runner_and_kernels_each_vllm_server_of_the_run_chose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(_git_repo(tmp_path / "r"))
+    logs = Path("data/.work/evaluate")
+    logs.mkdir(parents=True)
+    (logs / "vllm-eagle3.log").write_text(
+        "INFO vLLM 0.32.0\n"
+        "WARNING Model Runner V2 requires Triton; using the V1 model runner instead.\n"
+        "INFO Using CPU_ATTN attention backend out of potential backends: ['CPU_ATTN'].\n"
+    )
+    old = logs / "vllm-old.log"  # a server of an earlier run
+    old.write_text("INFO vLLM 0.32.0\nINFO Using FLASH_ATTN attention backend\n")
+    os.utime(old, (1, 1))
+    rec = json.loads(provenance.record("evaluate", Params(), duration_s=60).read_text())
+    assert rec["vllm_served_with"] == {
+        "vllm-eagle3.log": {
+            "runner": "V1 (MRV2 requires Triton)",
+            "attention": "CPU_ATTN",
+            "moe": "not logged",
+            "allreduce+rmsnorm fusion": "not logged",
+        }
+    }
+    assert "vllm_served_with" not in json.loads(provenance.record("vocab", Params()).read_text())
+
+
 def test_cli_records_the_duration_it_prints(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,4 +1,5 @@
-"""prepare: stable ids, a split that depends only on the id, clear errors on bad prompt files."""
+"""prepare: stable ids, a split that depends only on the id, unusable rows skipped and listed,
+clear errors on bad prompt files."""
 
 from __future__ import annotations
 
@@ -7,18 +8,20 @@ import os
 from pathlib import Path
 
 import pytest
+import yaml
 
 from eagle3_pipeline import readers
 from eagle3_pipeline.cli import main
-from eagle3_pipeline.conversations import load as load_prompts
-from eagle3_pipeline.errors import DataError
+from eagle3_pipeline.conversations import Unusable, read
 from eagle3_pipeline.stages.prepare import is_val
 
 REPO = Path(__file__).resolve().parents[3]
+FIXTURES = REPO / "tests/fixtures/prompts"
 
 
 def test_committed_prompt_set() -> None:
-    rows = load_prompts(REPO / "data/prompts")
+    rows = [r for _, r in read(REPO / "data/prompts")]
+    assert not [r for r in rows if isinstance(r, Unusable)]
     assert len(rows) >= 200
     assert sum(len(r["messages"]) > 1 for r in rows) >= 20  # multi-turn chats
     val = [r for r in rows if is_val(r["id"], 0.1)]
@@ -33,17 +36,31 @@ def test_split_depends_only_on_id() -> None:
     assert first <= {i for i in ids if is_val(i, 0.2)}  # growing val_ratio only adds to val
 
 
-def _run_prepare(tmp_path: Path, prompts_text: str, capsys) -> tuple[int, str]:
+def _run_prepare(tmp_path: Path, prompts_text: str, capsys, **prepare) -> tuple[int, str]:
     (tmp_path / "data/prompts").mkdir(parents=True)
     (tmp_path / "data/prompts/p.jsonl").write_text(prompts_text)
-    (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
+    return _prepare(tmp_path, capsys, **prepare)[:2]
+
+
+def _prepare(tmp_path: Path, capsys, **prepare) -> tuple[int, str, str]:
+    """`eagle3 prepare` in tmp_path with the default params and `prepare` keys set: (rc, err,
+    out)."""
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["prepare"].update(prepare)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
         rc = main(["prepare"])
     finally:
         os.chdir(cwd)
-    return rc, capsys.readouterr().err
+    captured = capsys.readouterr()
+    return rc, captured.err, captured.out
+
+
+def _outputs(tmp_path: Path) -> tuple[list[dict], list[dict], list[dict]]:
+    out = tmp_path / "data/prepared"
+    return tuple(readers.read_jsonl(out / f) for f in ("train.jsonl", "val.jsonl", "skipped.jsonl"))
 
 
 def test_empty_prompt_set_fails_clearly(tmp_path: Path, capsys) -> None:
@@ -56,8 +73,7 @@ def test_empty_prompt_set_fails_clearly(tmp_path: Path, capsys) -> None:
     ("line", "expected"),
     [
         ("{not json", "line 1: not valid JSON"),
-        (json.dumps({"id": "a", "messages": []}), "field 'messages'"),
-        (json.dumps({"messages": [{"role": "user", "content": "hi"}]}), "field 'id'"),
+        (json.dumps({"id": "a", "messages": []}), "no usable row (skipped 1: 1 empty): "),
         (
             json.dumps(
                 {
@@ -68,21 +84,52 @@ def test_empty_prompt_set_fails_clearly(tmp_path: Path, capsys) -> None:
                     ],
                 }
             ),
-            "must end with a user turn",
+            "line 1: ends with an assistant turn",
         ),
     ],
 )
-def test_malformed_rows(tmp_path: Path, line: str, expected: str, capsys) -> None:
+def test_malformed_files_and_nothing_usable(
+    tmp_path: Path, line: str, expected: str, capsys
+) -> None:
     rc, err = _run_prepare(tmp_path, line + "\n", capsys)
-    assert rc == 2 and expected in err and "p.jsonl" in err
+    assert rc == 2 and expected in err and "p.jsonl" in err and err.count("\n") == 1
+    assert not (tmp_path / "data/prepared").exists()
 
 
-def test_duplicate_ids(tmp_path: Path) -> None:
+def test_duplicates_are_kept_once_and_counted(tmp_path: Path, capsys) -> None:
     row = json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]})
-    f = tmp_path / "p.jsonl"
-    f.write_text(row + "\n" + row + "\n")
-    with pytest.raises(DataError, match="duplicate id"):
-        load_prompts(f)
+    same = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+    rc, _ = _run_prepare(tmp_path, "\n".join([row, same, row, same, same]) + "\n", capsys)
+    assert rc == 0
+    train, val, skipped = _outputs(tmp_path)
+    assert sorted(r["id"] for r in train + val) == ["a", _id()]
+    f = "data/prompts/p.jsonl"  # as params name it
+    assert skipped == [
+        {
+            "file": f,
+            "line": 3,
+            "reason": "duplicate",
+            "detail": f"duplicate id 'a' (first in {f}: line 1)",
+        },
+        {
+            "file": f,
+            "line": 4,
+            "reason": "duplicate",
+            "detail": f"the same conversation as {f}: line 2 (id {_id()})",
+        },
+        {
+            "file": f,
+            "line": 5,
+            "reason": "duplicate",
+            "detail": f"the same conversation as {f}: line 2 (id {_id()})",
+        },
+    ]
+
+
+def _id() -> str:
+    from eagle3_pipeline.conversations import derived_id
+
+    return derived_id([{"role": "user", "content": "hi"}], [])
 
 
 def test_output_rows(tmp_path: Path, capsys) -> None:
@@ -94,3 +141,111 @@ def test_output_rows(tmp_path: Path, capsys) -> None:
     assert len(train) + len(val) == 50 and {r["id"] for r in val} == {
         r["id"] for r in rows if is_val(r["id"], 0.1)
     }
+
+
+def _four_sets(root: Path) -> Path:
+    """The issue's four prompt sets, shaped as downloaded, in one folder."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root.mkdir(parents=True)
+    ultrachat = [
+        {
+            "prompt": f"question {i}",
+            "prompt_id": f"{i:064x}",
+            "messages": [
+                {"content": f"question {i}", "role": "user"},
+                {"content": f"answer {i}", "role": "assistant"},
+            ],
+        }
+        for i in range(30)
+    ]
+    pq.write_table(pa.Table.from_pylist(ultrachat), root / "ultrachat.parquet", row_group_size=8)
+    for name in ("sharegpt.json", "openhermes.json", "magpie.jsonl"):
+        (root / name).write_bytes((FIXTURES / name).read_bytes())
+    return root
+
+
+def test_the_four_public_sets_prepare(tmp_path: Path, capsys) -> None:
+    prompts = _four_sets(tmp_path / "sets")
+    rc, err, out = _prepare(tmp_path, capsys, prompts=str(prompts), trailing_assistant="regenerate")
+    assert rc == 0, err
+    summary = "kept 36, skipped 4: 1 unknown-role, 1 empty, 1 assistant-first, 1 duplicate"
+    assert f"[prepare] {summary} (listed in data/prepared/skipped.jsonl)" in out
+    assert "rows/s" in out
+    train, val, skipped = _outputs(tmp_path)
+    ids = [r["id"] for r in train + val]
+    assert len(ids) == len(set(ids)) == 36
+    assert sum(i.startswith("conv-") for i in ids) == 2  # OpenHermes: derived, one duplicate
+    assert {"0d3b6f5e-1a2b-4c3d-8e9f-000000000001", f"{7:064x}", "sg-4"} <= set(ids)
+    assert [(Path(s["file"]).name, s.get("line", s.get("row")), s["reason"]) for s in skipped] == [
+        ("magpie.jsonl", 3, "unknown-role"),
+        ("sharegpt.json", 2, "empty"),
+        ("sharegpt.json", 3, "assistant-first"),
+        ("openhermes.json", 3, "duplicate"),
+    ]
+    # Stable: a second run in another folder writes the same bytes.
+    other = tmp_path / "again"
+    other.mkdir()
+    assert _prepare(other, capsys, prompts=str(prompts), trailing_assistant="regenerate")[0] == 0
+    for name in ("train.jsonl", "val.jsonl", "skipped.jsonl"):
+        a = (tmp_path / "data/prepared" / name).read_bytes()
+        assert a == (other / "data/prepared" / name).read_bytes(), name
+
+
+def test_on_unusable_fail_names_the_first_rows_and_the_count(tmp_path: Path, capsys) -> None:
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+    empty = json.dumps({"messages": []})
+    rc, err = _run_prepare(
+        tmp_path, "\n".join([good] + [empty] * 30) + "\n", capsys, on_unusable="fail"
+    )
+    assert rc == 2 and err.count("\n") == 1
+    assert "skipped 30: 30 empty (prepare.on_unusable: fail): " in err
+    assert "p.jsonl: line 21: empty conversation" in err  # the 20th unusable row
+    assert "line 22:" not in err and "; ... and 10 more: " in err
+    assert "set prepare.on_unusable: skip" in err
+    assert not (tmp_path / "data/prepared").exists()
+
+
+def test_a_folder_of_parquet_shards(tmp_path: Path, capsys) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for k in range(3):
+        rows = [
+            {"id": f"s{k}-{i}", "messages": [{"role": "user", "content": f"q{k}{i}"}]}
+            for i in range(10)
+        ]
+        pq.write_table(pa.Table.from_pylist(rows), shards / f"train-0000{k}-of-00003.parquet")
+    rc, err, out = _prepare(tmp_path, capsys, prompts=str(shards))
+    assert rc == 0, err
+    assert "[prepare] kept 30, skipped 0\n" in out
+    train, val, skipped = _outputs(tmp_path)
+    assert sorted(r["id"] for r in train + val) == sorted(
+        f"s{k}-{i}" for k in range(3) for i in range(10)
+    )
+    assert skipped == []
+
+
+def test_rows_sorted_by_id_through_runs_on_disk(tmp_path: Path, monkeypatch, capsys) -> None:
+    """More rows than one sort run holds: the output is the same as sorted in memory."""
+    from eagle3_pipeline import external_sort
+
+    rows = [
+        {"id": f"q{(i * 37) % 101}", "messages": [{"role": "user", "content": "x"}]}
+        for i in range(101)
+    ]
+    text = "".join(json.dumps(r) + "\n" for r in rows + rows[:3])
+    rc, _ = _run_prepare(tmp_path, text, capsys)
+    expected = _outputs(tmp_path)
+    real = external_sort.sorted_records
+    monkeypatch.setattr(
+        external_sort, "sorted_records", lambda recs, scratch: real(recs, scratch, run_bytes=500)
+    )
+    other = tmp_path / "small-runs"
+    rc2, _ = _run_prepare(other, text, capsys)
+    assert rc == rc2 == 0 and _outputs(other) == expected
+    assert [r["id"] for r in expected[0]] == sorted(r["id"] for r in expected[0])
+    assert [s["line"] for s in expected[2]] == [102, 103, 104]
