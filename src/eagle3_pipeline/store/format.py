@@ -176,6 +176,18 @@ def write_samples(
     return entries
 
 
+def write_sample(
+    root: Path,
+    sample_id: str,
+    hidden_states: torch.Tensor,
+    token_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    layout: StoreLayout,
+) -> dict[str, Any]:
+    """Write one sample atomically; return its manifest entry (tests and tools write one)."""
+    return write_samples(root, [(sample_id, hidden_states, token_ids, loss_mask)], layout)[0]
+
+
 def temp_name(root: Path, name: str) -> Path:
     """Where `name` is written before its rename (`.<name>.<pid>.tmp`: ignored by readers)."""
     return root / f".{name}.{os.getpid()}.tmp"

@@ -22,6 +22,7 @@ from eagle3_pipeline.verifier import identity as vf
 from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
 
 TOKENIZED_DIR = paths.TOKENIZED
+MAX_LISTED = 20  # files named in a report; the rest are counted
 STAGE = "store verify"
 
 
@@ -107,8 +108,11 @@ def main(params: Params, store_dir: str = str(paths.HIDDEN_STATES)) -> int:
             "and token ids all match",
         )
         return 0
-    for name, problems in sorted(bad.items()):
+    shown = sorted(bad.items())[:MAX_LISTED]
+    for name, problems in shown:
         print(f"BAD {root / name}: {'; '.join(problems)}", flush=True)
+    if len(bad) > len(shown):
+        print(f"BAD ... and {len(bad) - len(shown)} more files (first {len(shown)} listed)")
     linked = sorted(
         str(root / n) for n in bad if (root / n).is_file() and (root / n).stat().st_nlink > 1
     )
@@ -116,9 +120,10 @@ def main(params: Params, store_dir: str = str(paths.HIDDEN_STATES)) -> int:
         # With DVC's hardlink cache the damaged file IS the cache object, and DVC trusts a
         # read-only cache object without re-hashing: `dvc repro` would check the damage out
         # again ("Stage is cached - skipping run"). Making it writable makes DVC re-hash it.
+        files = " ".join(linked) if len(linked) <= MAX_LISTED else f"-R {root}"
         print(
             f"FIX {len(linked)} of them are hardlinked to the DVC cache, so the cached copies "
-            f"are damaged too: chmod u+w {' '.join(linked)} && dvc repro extract",
+            f"are damaged too: chmod u+w {files} && dvc repro extract",
             flush=True,
         )
     log(
