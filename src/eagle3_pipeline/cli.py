@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(sub)
     _add_store_parser(sub)
     _add_provenance_parser(sub)
+    _add_probe_parser(sub)
     p = sub.add_parser(
         "clean-work",
         help="empty data/.work/ (resume state, caches); refused while a stage runs",
@@ -102,6 +103,30 @@ def _add_provenance_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("provenance", help=help_text, description=help_text)
     p.add_argument("target", help="a stage name (e.g. train) or an output path in it")
     p.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
+    """`probe-layers` is not a stage: it extracts a few samples to scratch and removes them."""
+    help_text = (
+        "before the big extract: the init drafter's simulated acceptance on a few samples "
+        "extracted at each candidate aux id set (plus the final id)"
+    )
+    p = sub.add_parser("probe-layers", help=help_text, description=help_text)
+    p.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
+    p.add_argument(
+        "--ids",
+        action="append",
+        required=True,
+        metavar="A,B,C",
+        help="a candidate aux id set in vLLM's convention; repeat for each, e.g. "
+        "--ids 2,30,58 --ids 3,31,59",
+    )
+    p.add_argument("--samples", type=int, default=100, help="tokenized samples (default: 100)")
+    p.add_argument(
+        "--backend", choices=["hf", "vllm"], help="extract backend (default: extract.backend)"
+    )
+    p.add_argument("--drafter", metavar="PATH", help="drafter (default: train.init_from)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -155,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         params = load_params(args.params)
         if args.stage == "plan":
             _run_plan(args, params)
+            return 0
+        if args.stage == "probe-layers":
+            from eagle3_pipeline.evaluation import probe
+
+            id_sets = [probe.parse_ids(text) for text in args.ids]
+            probe.run(params, id_sets, args.samples, args.backend, args.drafter)
             return 0
         if args.stage == "store":
             from eagle3_pipeline.store import verify as store_verify

@@ -83,6 +83,12 @@ class PrepareParams(_Strict):
     # A row ending with an assistant turn: refuse it, or drop that turn and let the verifier
     # answer in its place (ShareGPT exports end with the answer of the model that wrote them).
     trailing_assistant: Literal["refuse", "regenerate"] = "refuse"
+    # The field that holds each row's id. null: `id`, else the dataset's own (prompt_id, uuid,
+    # conversation_id, question_id, idx), else an id derived from the conversation's content.
+    id_field: str | None = Field(None, min_length=1)
+    # A row prepare cannot use (empty, assistant-first, unknown role, duplicate, ...): skip it
+    # (counted, and listed in data/prepared/skipped.jsonl), or fail naming the first ones.
+    on_unusable: Literal["skip", "fail"] = "skip"
 
 
 class VllmParams(_Strict):
@@ -93,6 +99,9 @@ class VllmParams(_Strict):
     tensor_parallel_size: int = Field(1, ge=1)
     ready_timeout_s: float = Field(600.0, gt=0)
     extra_args: list[str] = Field(default_factory=list)
+    # Memory of one GPU the profile is sized for (GiB, as torch reports it). Read by `eagle3
+    # plan` only (KV-cache room and generate.concurrency); null: not estimated.
+    gpu_memory_gib: float | None = Field(None, gt=0)
 
 
 class GenerateParams(_Strict):
@@ -107,6 +116,10 @@ class GenerateParams(_Strict):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=lambda: {"thinking": True})
     max_retries: int = Field(4, ge=0)
     request_timeout_s: float = Field(300.0, gt=0)
+    # last: one answer per conversation, to its last user turn (earlier assistant turns of the
+    # data set stay as unsupervised context). every: each user turn answered in turn, with the
+    # verifier's own earlier answers as context: N user turns give N supervised rows (turns.py).
+    turns: Literal["last", "every"] = "last"
 
 
 class TokenizeParams(_Strict):
@@ -194,6 +207,26 @@ class EvaluateParams(_Strict):
     # start-up's wait instead of two, where memory holds two verifiers (the CPU profiles); never
     # on a node whose verifier fills its GPUs.
     start_servers_together: bool = False
+    # Offline simulation on at most this many val samples (the first by id; null: all). The
+    # verifier's greedy tokens are computed once per sample for every drafter simulated.
+    max_offline_samples: int | None = Field(None, ge=1)
+    # The MISMATCH alarm against the offline figure on the online run's own prompts and first
+    # max_new_tokens positions (eval.json offline_same_prompts): fires when vLLM's accepted
+    # tokens per draft (mean acceptance length - 1) fall short of it by more than this fraction.
+    # mismatch_ratio is the coarse rule used when no online prompt is in the store.
+    mismatch_tolerance: float = Field(0.1, gt=0.0, lt=1.0)
+    # Further concurrencies at which both servers are timed again on the same prompts (tokens/s
+    # with and without the drafter, and acceptance): eval.json online.by_concurrency.
+    throughput_concurrency: list[int] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _positive_concurrency(self) -> EvaluateParams:
+        if any(c < 1 for c in self.throughput_concurrency):
+            raise ValueError(
+                f"evaluate.throughput_concurrency={self.throughput_concurrency}: every value "
+                "must be >= 1"
+            )
+        return self
 
 
 class Params(_Strict):

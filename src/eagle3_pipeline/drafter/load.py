@@ -26,6 +26,14 @@ from eagle3_pipeline.drafter.conventions import (
 from eagle3_pipeline.errors import CheckpointError
 
 
+def compute_placement() -> tuple[torch.device, torch.dtype]:
+    """Where simulations run: the GPU in bf16 where there is one (a Kimi drafter's 163,840-row
+    head in fp32 on CPU takes hours), else the CPU in fp32 (the tiny profiles' numbers)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
 def _attn_impl() -> str:
     return "simple_flex_attention" if torch.cuda.is_available() else "sdpa"
 
@@ -65,16 +73,21 @@ def _config(path: Path, verifier_path: str | Path):  # -> Eagle3SpeculatorConfig
     return config
 
 
-def load_drafter(path: str | Path, verifier_path: str | Path):  # -> Eagle3DraftModel
+def load_drafter(
+    path: str | Path,
+    verifier_path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+):  # -> Eagle3DraftModel
     """A drafter directory as the server computes it, its verifier tensors read from
-    `verifier_path` (never from the name its config records)."""
+    `verifier_path` (never from the name its config records); in `dtype` on `device`."""
     from speculators.models.eagle3.core import Eagle3DraftModel
 
     path = Path(path)
     config = _config(path, verifier_path)
     if not is_flat(path):
         model = Eagle3DraftModel.from_pretrained(str(path), config=config)
-        return model.float().eval()
+        return model.to(device=device, dtype=dtype).eval()
     # Flat: the same model class, its tensors renamed back (midlayer. -> layers.0.).
     ckpt = flat_format.open_checkpoint(path)
     # In the saved dtype, as from_pretrained builds it: the verifier rows loaded below then
@@ -93,11 +106,17 @@ def load_drafter(path: str | Path, verifier_path: str | Path):  # -> Eagle3Draft
             "export of this pipeline's drafter; re-run the export stage"
         )
     model.load_verifier_weights()
-    return model.float().eval()
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def fresh_drafter_like(
-    path: str | Path, verifier_path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, seed: int
+    path: str | Path,
+    verifier_path: str | Path,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    seed: int,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
 ):
     """An untrained drafter of the same shape: the baseline that training must beat."""
     from speculators.models.eagle3.core import Eagle3DraftModel
@@ -107,7 +126,7 @@ def fresh_drafter_like(
     model = Eagle3DraftModel(config)
     model.load_vocab_mappings(t2d, d2t)
     model.load_verifier_weights()
-    return model.float().eval()
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def load_mapping(vocab_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:

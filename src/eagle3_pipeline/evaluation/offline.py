@@ -6,12 +6,21 @@ target vocab of the verifier's lm_head on the stored final, pre-norm hidden stat
 earlier step was accepted. The drafter's hidden state is chained through its TTT steps and the
 token fed at step k is the sequence's token; for the verifier's own greedy answers that token is
 the verifier's greedy token, i.e. exactly what vLLM feeds after k accepted drafts.
+
+Two figures come out of the same drafts: `accepted_prefix` counts a draft at EVERY supervised
+start (the whole-val figure), `served_walk` only at the starts vLLM reaches when it generates the
+answer itself (after the prefill's token, then one past each verified run), within its first
+`max_new_tokens` positions: the like-for-like reference for vLLM's own counters. The verifier's
+greedy tokens are computed once per sample (`simulate`) and shared by every drafter simulated.
+On a GPU the drafters and the head run in bf16 there; on CPU in fp32 (drafter/load.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -56,7 +65,13 @@ class VerifierHead:
     SUFFIXES = {"norm": "model.norm.weight", "lm_head": "lm_head.weight"}
     TIED = "embed_tokens.weight"  # lm_head of a model with tied embeddings
 
-    def __init__(self, verifier_dir: str | Path, rms_norm_eps: float) -> None:
+    def __init__(
+        self,
+        verifier_dir: str | Path,
+        rms_norm_eps: float,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         files = sorted(Path(verifier_dir).glob("*.safetensors"))
         keys: dict[str, Path] = {}
         for f in files:
@@ -74,8 +89,8 @@ class VerifierHead:
                 )
             with safe_open(str(keys[key]), framework="pt") as fh:
                 found[name] = fh.get_tensor(key).float()
-        self.norm_weight = found["norm"]
-        self.lm_head = found["lm_head"]
+        self.norm_weight = found["norm"].to(device)
+        self.lm_head = found["lm_head"].to(device=device, dtype=dtype)
         self.eps = rms_norm_eps
 
     @staticmethod
@@ -87,9 +102,94 @@ class VerifierHead:
         return matches[0] if matches else None
 
     def greedy(self, final_hidden: torch.Tensor) -> torch.Tensor:
-        h = final_hidden.float()
+        """The verifier's greedy token after each position (norm in fp32, lm_head in its dtype)."""
+        h = final_hidden.to(self.lm_head.device).float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
-        return (h @ self.lm_head.T).argmax(-1)
+        return (h.to(self.lm_head.dtype) @ self.lm_head.T).argmax(-1).cpu()
+
+
+def _placement(drafter) -> tuple[torch.device, torch.dtype]:
+    """Where a drafter's tensors live (a stand-in without them: CPU, fp32)."""
+    return (
+        torch.device(getattr(drafter, "device", "cpu")),
+        getattr(drafter, "dtype", torch.float32),
+    )
+
+
+def draft_matches(
+    drafter,
+    hidden_states: torch.Tensor,
+    token_ids: torch.Tensor,
+    greedy: torch.Tensor,
+    num_steps: int,
+) -> torch.Tensor:
+    """bool [L - 1, num_steps] (CPU): step k of the draft started at i equals the verifier's
+    greedy token at i + 2 + k (False past the end)."""
+    device, dtype = _placement(drafter)
+    length = token_ids.shape[0]
+    aux = hidden_states[:, :-1].flatten(1).to(device=device, dtype=dtype)  # [L, n_aux * H]
+    ids = token_ids.to(device)
+    s = length - 1
+    with torch.no_grad():
+        drafts = drafter(
+            hidden_states=aux[:-1].unsqueeze(0),
+            input_ids=ids[1:].unsqueeze(0),
+            document_ids=torch.zeros(1, s, dtype=torch.long, device=device),
+            position_ids=torch.arange(1, length, device=device).unsqueeze(0),
+            ttt_steps=num_steps,
+        )
+    d2t = drafter.d2t.cpu() if drafter.d2t is not None else None
+    starts = torch.arange(s)
+    ok = torch.zeros(s, num_steps, dtype=torch.bool)
+    for k in range(num_steps):
+        target_pos = starts + 2 + k  # position whose token step k proposes
+        valid = target_pos < length
+        draft_ids = drafts[k][0].cpu()
+        target_ids = draft_ids + d2t[draft_ids] if d2t is not None else draft_ids
+        verifier_tok = torch.full((s,), -1, dtype=torch.long)
+        verifier_tok[valid] = greedy[target_pos[valid] - 1]
+        ok[:, k] = valid & (target_ids == verifier_tok)
+    return ok
+
+
+def accepted_prefix(ok: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """bool [n_starts, num_steps]: the accepted prefix at every supervised draft start."""
+    length = ok.shape[0] + 1
+    prefix = torch.cumprod(ok.int(), dim=1).bool()
+    first_pos = torch.arange(ok.shape[0]) + 2
+    keep = (first_pos < length) & (loss_mask[first_pos.clamp(max=length - 1)] > 0)
+    return prefix[keep]
+
+
+def served_walk(
+    ok: torch.Tensor, loss_mask: torch.Tensor, max_positions: int | None = None
+) -> torch.Tensor:
+    """bool [n_drafts, num_steps]: the drafts vLLM makes when it generates this answer itself.
+
+    The answer is the first supervised span, cut to its first `max_positions` tokens (vLLM's
+    max_tokens). Its first token comes from the prefill, never drafted; the first draft
+    proposes the next one; after n accepted tokens the verifier adds one, so the next draft
+    starts n + 1 positions on. Drafts past the cut count as rejected, as they would be if the
+    answer went on. Assumes the stored answer is the verifier's greedy one (where it is not,
+    the walk still follows the stored tokens).
+    """
+    supervised = (loss_mask > 0).nonzero().flatten()
+    if len(supervised) == 0:
+        return ok[:0]
+    answer = int(supervised[0])
+    gaps = (loss_mask[answer:] == 0).nonzero().flatten()
+    cut = answer + int(gaps[0]) if len(gaps) else len(loss_mask)
+    if max_positions is not None:
+        cut = min(cut, answer + max_positions)
+    steps = torch.arange(ok.shape[1])
+    rows = []
+    i = answer - 1  # draft from the prefill's hidden state: proposes position answer + 1
+    while i + 2 < cut:
+        row = ok[i] & (i + 2 + steps < cut)
+        row = torch.cumprod(row.int(), dim=0).bool()
+        rows.append(row)
+        i += int(row.sum()) + 1
+    return torch.stack(rows) if rows else ok[:0]
 
 
 def simulate_sample(
@@ -99,33 +199,62 @@ def simulate_sample(
     token_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     num_steps: int,
+    greedy: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """bool [n_starts, num_steps]: accepted prefix at every draft start of one sample."""
-    length = token_ids.shape[0]
-    aux = hidden_states[:, :-1].flatten(1).float()  # [L, n_aux * H]
-    final = hidden_states[:, -1]
-    greedy = head.greedy(final)  # greedy[p] = verifier's token for position p + 1
-    s = length - 1
-    with torch.no_grad():
-        drafts = drafter(
-            hidden_states=aux[:-1].unsqueeze(0),
-            input_ids=token_ids[1:].unsqueeze(0),
-            document_ids=torch.zeros(1, s, dtype=torch.long),
-            position_ids=torch.arange(1, length).unsqueeze(0),
-            ttt_steps=num_steps,
-        )
-    d2t = drafter.d2t
-    starts = torch.arange(s)
-    ok = torch.zeros(s, num_steps, dtype=torch.bool)
-    for k in range(num_steps):
-        target_pos = starts + 2 + k  # position whose token step k proposes
-        valid = target_pos < length
-        draft_ids = drafts[k][0]
-        target_ids = draft_ids + d2t[draft_ids] if d2t is not None else draft_ids
-        verifier_tok = torch.full((s,), -1, dtype=torch.long)
-        verifier_tok[valid] = greedy[target_pos[valid] - 1]
-        ok[:, k] = valid & (target_ids == verifier_tok)
-    prefix = torch.cumprod(ok.int(), dim=1).bool()
-    first_pos = starts + 2
-    keep = (first_pos < length) & (loss_mask[first_pos.clamp(max=length - 1)] > 0)
-    return prefix[keep]
+    """bool [n_starts, num_steps]: accepted prefix at every draft start of one sample.
+
+    `greedy` (head.greedy of the final states) may be given when several drafters share it.
+    """
+    if greedy is None:
+        greedy = head.greedy(hidden_states[:, -1])  # greedy[p] = verifier's token for p + 1
+    ok = draft_matches(drafter, hidden_states, token_ids, greedy, num_steps)
+    return accepted_prefix(ok, loss_mask)
+
+
+@dataclass
+class Simulation:
+    """What `simulate` counted: every drafter on `whole` samples, the served one on `same`."""
+
+    whole: dict[str, AcceptanceCounts]
+    same: AcceptanceCounts | None
+    num_whole: int
+    num_same: int
+
+
+def simulate(
+    models: dict[str, Any],
+    head: VerifierHead,
+    read: Callable[[str], dict[str, torch.Tensor]],
+    whole_ids: Iterable[str],
+    num_steps: int,
+    same_ids: Iterable[str] = (),
+    served: str = "trained",
+    max_positions: int | None = None,
+    on_sample: Callable[[], None] | None = None,
+) -> Simulation:
+    """Every model at every supervised start of the `whole_ids` samples, and the `served` model
+    on vLLM's walk through the first `max_positions` answer tokens of the `same_ids` samples.
+
+    Each sample is read once and its verifier greedy tokens computed once, whatever the number
+    of models; a sample in both sets is simulated once per model.
+    """
+    whole, same = list(whole_ids), list(same_ids)
+    in_whole, in_same = set(whole), set(same)
+    counts = {name: AcceptanceCounts(num_steps) for name in models}
+    same_counts = AcceptanceCounts(num_steps) if same else None
+    for sid in whole + [s for s in same if s not in in_whole]:
+        t = read(sid)
+        hs, ids, mask = t["hidden_states"], t["token_ids"], t["loss_mask"]
+        greedy = head.greedy(hs[:, -1])
+        for name, model in models.items():
+            walk = name == served and sid in in_same
+            if sid not in in_whole and not walk:
+                continue
+            ok = draft_matches(model, hs, ids, greedy, num_steps)
+            if sid in in_whole:
+                counts[name].add(accepted_prefix(ok, mask))
+            if walk and same_counts is not None:
+                same_counts.add(served_walk(ok, mask, max_positions))
+        if on_sample is not None:
+            on_sample()
+    return Simulation(counts, same_counts, len(whole), len(in_same))

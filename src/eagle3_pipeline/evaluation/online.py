@@ -52,6 +52,8 @@ class Settings:
     served_model_name: str = SERVED_NAME
     top_logprobs: int = 5  # per generated token, for the losslessness verdict
     near_tie_nats: float = 0.1  # evaluate.near_tie_nats (params.py)
+    # evaluate.throughput_concurrency: each server timed again on the same prompts at these
+    throughput_concurrency: tuple[int, ...] = ()
 
 
 @dataclass
@@ -64,6 +66,8 @@ class RunResult:
     wall_s: float
     counters: dict[str, float]
     logprobs: list[list[lossless.TokenLogprobs] | None] = field(default_factory=list)
+    # further concurrency -> (output tokens, wall seconds, counter deltas) of the same prompts
+    by_concurrency: dict[int, tuple[int, float, dict[str, float]]] = field(default_factory=dict)
 
     @property
     def output_tokens(self) -> int:
@@ -233,7 +237,8 @@ def run_prompts(
 
 
 def measure(url: str, conversations: Sequence[Messages], settings: Settings) -> RunResult:
-    """Warm the server with one short request, then time the prompts and diff the counters."""
+    """Warm the server with one short request, then time the prompts and diff the counters;
+    again at each of `settings.throughput_concurrency` (outputs kept from the first run)."""
     complete(client(url, settings), chat_payload(conversations[0], settings, max_tokens=4))
     k = settings.num_speculative_tokens
     before = settled_counters(url, k)
@@ -241,7 +246,18 @@ def measure(url: str, conversations: Sequence[Messages], settings: Settings) -> 
     after = settled_counters(url, k)
     counters = delta(before, after) | {"spec_decode_enabled": after["spec_decode_enabled"]}
     ids, texts, counts, logprobs = (list(x) for x in zip(*results, strict=True))
-    return RunResult(ids, texts, counts, wall, counters, logprobs)
+    run = RunResult(ids, texts, counts, wall, counters, logprobs)
+    for c in settings.throughput_concurrency:
+        if c == settings.concurrency or c in run.by_concurrency:
+            continue
+        before = settled_counters(url, k)
+        again, wall_c = run_prompts(url, conversations, replace(settings, concurrency=c))
+        run.by_concurrency[c] = (
+            sum(n for _, _, n, _ in again),
+            wall_c,
+            delta(before, settled_counters(url, k)),
+        )
+    return run
 
 
 Runner = Callable[[ServerSpec, Sequence[Messages], Settings], RunResult]
@@ -322,10 +338,28 @@ def verdict(
     )
 
 
-def online_section(baseline: RunResult, spec: RunResult, k: int) -> dict[str, Any]:
-    """The `online` block of metrics/eval.json."""
-    speedup = spec.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else 0.0
+def _throughput(
+    tokens: int, wall: float, tokens_base: int, wall_base: float, counters: dict, k: int
+) -> dict[str, Any]:
+    tps = tokens / wall if wall > 0 else 0.0
+    tps_base = tokens_base / wall_base if wall_base > 0 else 0.0
+    served = served_acceptance(counters, k)
     return {
+        "mean_acceptance_length": served["mean_acceptance_length"],
+        "acceptance_rate": served["acceptance_rate"],
+        "tokens_per_s": tps,
+        "tokens_per_s_baseline": tps_base,
+        "speedup": tps / tps_base if tps_base else 0.0,
+    }
+
+
+def online_section(
+    baseline: RunResult, spec: RunResult, k: int, concurrency: int | None = None
+) -> dict[str, Any]:
+    """The `online` block of metrics/eval.json; `by_concurrency` (keyed by the concurrency as
+    a string) when the servers were timed at more than one."""
+    speedup = spec.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else 0.0
+    section = {
         "num_prompts": len(spec.texts),
         **served_acceptance(spec.counters, k),
         "output_tokens": spec.output_tokens,
@@ -334,6 +368,24 @@ def online_section(baseline: RunResult, spec: RunResult, k: int) -> dict[str, An
         "tokens_per_s_baseline": baseline.tokens_per_s,
         "speedup": speedup,
     }
+    more = sorted(set(spec.by_concurrency) & set(baseline.by_concurrency))
+    if more:
+        by = {}
+        if concurrency is not None:
+            by[str(concurrency)] = _throughput(
+                spec.output_tokens,
+                spec.wall_s,
+                baseline.output_tokens,
+                baseline.wall_s,
+                spec.counters,
+                k,
+            )
+        for c in more:
+            tokens, wall, counters = spec.by_concurrency[c]
+            tokens_base, wall_base, _ = baseline.by_concurrency[c]
+            by[str(c)] = _throughput(tokens, wall, tokens_base, wall_base, counters, k)
+        section["by_concurrency"] = by
+    return section
 
 
 def evaluate(
@@ -373,7 +425,7 @@ def evaluate(
         )
     names = list(prompt_ids) if prompt_ids is not None else [str(i) for i in range(len(spec.texts))]
     return (
-        online_section(baseline, spec, k),
+        online_section(baseline, spec, k, settings.concurrency),
         mismatched_prompts(baseline, spec),
         verdict(names, baseline, spec, settings),
     )

@@ -4,13 +4,20 @@ and (evaluate.online) vLLM's real acceptance and throughput with and without the
 
 The untrained drafter (same shape, same vocab, random weights) is the floor: a trained drafter
 that does not beat it clearly has learned nothing, whatever its loss curve says. The online run
-is the proof that vLLM loads the drafter as it was trained: a large gap between simulated and
-served acceptance means the two disagree on layers, vocab mapping, norms or verifier.
+is the proof that vLLM loads the drafter as it was trained: served acceptance short of the
+simulated one on the same prompts and positions (offline_same_prompts) means the two disagree
+on layers, vocab mapping, norms or verifier.
+
+The simulation runs on the GPU in bf16 where there is one (CPU: fp32), on at most
+evaluate.max_offline_samples val samples, and is released before the servers start.
 """
 
 from __future__ import annotations
 
+import gc
 from typing import Any
+
+import torch
 
 from eagle3_pipeline import atomic, paths, readers
 from eagle3_pipeline.drafter import load as drafter
@@ -39,6 +46,28 @@ MISMATCH_CAUSES = (
 
 
 def run(params: Params) -> None:
+    e = params.evaluate
+    simulated, result = simulate_offline(params)
+    tr = simulated["trained"]
+    verdict: Verdict | None = None
+    if e.online:
+        section, mismatched, verdict = run_online(params)
+        result |= online_verdict(
+            section,
+            tr["mean_acceptance_length"],
+            mismatched,
+            params,
+            verdict,
+            offline_same=result.get("offline_same_prompts"),
+        )
+    atomic.write_json(METRICS, result)
+    log(STAGE, f"-> {METRICS}")
+    if verdict is not None:
+        require_lossless(verdict)
+
+
+def simulate_offline(params: Params) -> tuple[dict[str, dict], dict[str, Any]]:
+    """(summary per drafter, eval.json keys) of the simulation on the store's val samples."""
     config = vf.text_config(vf.read_config(params.verifier.path))
     conventions = run_conventions(params, int(config["num_hidden_layers"]))
     aux, final = conventions.aux_layer_ids, conventions.final_layer_id
@@ -47,37 +76,66 @@ def run(params: Params) -> None:
     val = {sid: e for sid, e in manifest["samples"].items() if e["split"] == "val"}
     if not val:
         raise StoreError(f"{STORE_DIR}: no val samples: raise prepare.val_ratio")
-    k = params.evaluate.num_speculative_tokens
+    e = params.evaluate
+    k = e.num_speculative_tokens
+    whole = sorted(val)[: e.max_offline_samples]
+    # The online run's prompts, those in the store: the like-for-like reference for vLLM.
+    same = (
+        [r["id"] for r in val_conversations(e.max_eval_prompts) if r["id"] in val]
+        if e.online
+        else []
+    )
+    device, dtype = drafter.compute_placement()
     d2t, t2d = drafter.load_mapping(VOCAB_DIR)
     models = {
-        "trained": drafter.load_drafter(DRAFTER_DIR, params.verifier.path),
+        "trained": drafter.load_drafter(DRAFTER_DIR, params.verifier.path, device, dtype),
         "untrained": drafter.fresh_drafter_like(
-            DRAFTER_DIR, params.verifier.path, d2t, t2d, params.train.seed
+            DRAFTER_DIR, params.verifier.path, d2t, t2d, params.train.seed, device, dtype
         ),
     }
     if params.train.init_from:
         # No fine-tuning: did training help, or would the published drafter do as well?
-        models["init"] = drafter.load_drafter(params.train.init_from, params.verifier.path)
-    head = offline.VerifierHead(params.verifier.path, float(config.get("rms_norm_eps", 1e-6)))
-    counts = {name: offline.AcceptanceCounts(k) for name in models}
-    progress = Progress(STAGE, len(val), unit="samples")
-    for _sid, entry in sorted(val.items()):
-        t = store.read_sample(STORE_DIR, entry)
-        for name, model in models.items():
-            counts[name].add(
-                offline.simulate_sample(
-                    model, head, t["hidden_states"], t["token_ids"], t["loss_mask"], k
-                )
-            )
-        progress.advance()
-    simulated = {name: c.summary() for name, c in counts.items()}
-    result = {
+        models["init"] = drafter.load_drafter(
+            params.train.init_from, params.verifier.path, device, dtype
+        )
+    head = offline.VerifierHead(
+        params.verifier.path, float(config.get("rms_norm_eps", 1e-6)), device, dtype
+    )
+    progress = Progress(STAGE, len(set(whole) | set(same)), unit="samples")
+    sim = offline.simulate(
+        models,
+        head,
+        lambda sid: store.read_sample(STORE_DIR, val[sid]),
+        whole,
+        k,
+        same_ids=same,
+        max_positions=e.max_new_tokens,
+        on_sample=progress.advance,
+    )
+    del models, head  # the GPU memory goes back before vLLM starts
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    simulated = {name: c.summary() for name, c in sim.whole.items()}
+    result: dict[str, Any] = {
         "num_speculative_tokens": k,
         "num_val_samples": len(val),
+        "offline_run": {
+            "samples_simulated": len(whole),
+            "samples_total": len(val),
+            "max_offline_samples": e.max_offline_samples,
+            "device": device.type,
+            "dtype": str(dtype).removeprefix("torch."),
+        },
         "offline": simulated,
         "offline_gain": simulated["trained"]["mean_acceptance_length"]
         - simulated["untrained"]["mean_acceptance_length"],
     }
+    if sim.same is not None:
+        result["offline_same_prompts"] = sim.same.summary() | {
+            "num_prompts": sim.num_same,
+            "max_new_tokens": e.max_new_tokens,
+        }
     if "init" in simulated:
         result["init_from"] = params.train.init_from
         result["offline_gain_over_init"] = (
@@ -96,16 +154,17 @@ def run(params: Params) -> None:
         )
         + "), "
         f"acceptance rate {tr['acceptance_rate']:.1%} "
-        f"over {tr['num_drafts']} drafts of {k} tokens on {len(val)} val samples",
+        f"over {tr['num_drafts']} drafts of {k} tokens on {len(whole)} of {len(val)} val "
+        f"samples ({device.type}, {result['offline_run']['dtype']})",
     )
-    verdict: Verdict | None = None
-    if params.evaluate.online:
-        section, mismatched, verdict = run_online(params)
-        result |= online_verdict(section, tr["mean_acceptance_length"], mismatched, params, verdict)
-    atomic.write_json(METRICS, result)
-    log(STAGE, f"-> {METRICS}")
-    if verdict is not None:
-        require_lossless(verdict)
+    if sim.same is not None:
+        same_mal = result["offline_same_prompts"]["mean_acceptance_length"]
+        log(
+            STAGE,
+            f"simulated on the online run's {sim.num_same} prompts, first {e.max_new_tokens} "
+            f"answer tokens, as vLLM drafts them: mean acceptance length {same_mal:.3f}",
+        )
+    return simulated, result
 
 
 def val_conversations(limit: int) -> list[dict[str, Any]]:
@@ -145,6 +204,7 @@ def run_online(params: Params) -> tuple[dict[str, Any], list[str], Verdict]:
         chat_template_kwargs=dict(params.generate.chat_template_kwargs),
         top_logprobs=e.top_logprobs,
         near_tie_nats=e.near_tie_nats,
+        throughput_concurrency=tuple(e.throughput_concurrency),
     )
     # No reasoning parser: the whole completion (reasoning included) is what the runs compare.
     base = verifier_spec(params, WORK_DIR / "vllm.log")
@@ -161,8 +221,22 @@ def run_online(params: Params) -> tuple[dict[str, Any], list[str], Verdict]:
 
 
 def is_mismatch(online_mal: float, offline_mal: float, ratio: float) -> bool:
-    """Served gain far below the simulated gain: vLLM and the trainer disagree on something."""
+    """Coarse rule (no like-for-like figure): served gain far below the simulated gain."""
     return online_mal - 1 < ratio * (offline_mal - 1)
+
+
+def relative_gap(online_mal: float, offline_mal: float) -> float | None:
+    """(online - offline) / offline in accepted tokens per draft (mean acceptance length - 1);
+    None when the simulation accepts nothing."""
+    gain = offline_mal - 1
+    return (online_mal - 1 - gain) / gain if gain > 0 else None
+
+
+def is_short(online_mal: float, offline_mal: float, tolerance: float) -> bool:
+    """Tight rule, on the same prompts and positions: vLLM accepts more than `tolerance` fewer
+    tokens per draft than simulated. Only shortfalls: every cause it names lowers acceptance."""
+    gap = relative_gap(online_mal, offline_mal)
+    return gap is not None and gap < -tolerance
 
 
 def online_verdict(
@@ -171,26 +245,67 @@ def online_verdict(
     mismatched: list[str],
     params: Params,
     verdict: Verdict | None = None,
+    offline_same: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """eval.json keys of the online run; logs summary lines and, if needed, one warning."""
+    """eval.json keys of the online run; logs summary lines and, if needed, one warning.
+
+    With `offline_same` (the simulation on the online run's prompts and positions, with
+    drafts) the alarm is evaluate.mismatch_tolerance against it; else mismatch_ratio against
+    `offline_mal`.
+    """
+    e = params.evaluate
     mal = section["mean_acceptance_length"]
-    mismatch = is_mismatch(mal, offline_mal, params.evaluate.mismatch_ratio)
+    if offline_same is not None and offline_same.get("num_drafts"):
+        reference = offline_same["mean_acceptance_length"]
+        gap = relative_gap(mal, reference)
+        mismatch = is_short(mal, reference, e.mismatch_tolerance)
+        rule = {
+            "compared_with": "offline_same_prompts",
+            "offline_mean_acceptance_length": reference,
+            "relative_gap": gap,
+            "mismatch_tolerance": e.mismatch_tolerance,
+        }
+        limit = f"more than evaluate.mismatch_tolerance={e.mismatch_tolerance} short of it"
+        what = "simulated on the same prompts and positions"
+    else:
+        reference = offline_mal
+        mismatch = is_mismatch(mal, offline_mal, e.mismatch_ratio)
+        rule = {
+            "compared_with": "offline",
+            "offline_mean_acceptance_length": reference,
+            "relative_gap": relative_gap(mal, reference),
+            "mismatch_ratio": e.mismatch_ratio,
+        }
+        limit = f"below evaluate.mismatch_ratio={e.mismatch_ratio} of its gain"
+        what = "simulated"
     log(
         STAGE,
-        f"vLLM: mean acceptance length {mal:.3f} (simulated {offline_mal:.3f}), acceptance rate "
+        f"vLLM: mean acceptance length {mal:.3f} ({what} {reference:.3f}), acceptance rate "
         f"{section['acceptance_rate']:.1%}, {section['tokens_per_s']:.1f} vs "
         f"{section['tokens_per_s_baseline']:.1f} output tokens/s without the drafter "
         f"(x{section['speedup']:.2f}) on {section['num_prompts']} val prompts",
     )
+    for c, row in section.get("by_concurrency", {}).items():
+        log(
+            STAGE,
+            f"vLLM at concurrency {c}: {row['tokens_per_s']:.1f} vs "
+            f"{row['tokens_per_s_baseline']:.1f} output tokens/s (x{row['speedup']:.2f}), mean "
+            f"acceptance length {row['mean_acceptance_length']:.3f}",
+        )
     if mismatch:
         log(
             STAGE,
-            f"MISMATCH: vLLM accepts far less than simulated ({mal:.2f} vs {offline_mal:.2f}, "
-            f"below evaluate.mismatch_ratio={params.evaluate.mismatch_ratio}); likely causes: "
+            f"MISMATCH: vLLM accepts far less than simulated ({mal:.2f} vs {reference:.2f}, "
+            f"{limit}); likely causes: "
             f"{MISMATCH_CAUSES}: compare {DRAFTER_DIR}/config.json with the served verifier",
         )
     section = section | {"greedy_mismatched_ids": mismatched[:20]}
-    out = {"online": section, "greedy_outputs_identical": not mismatched, "mismatch": mismatch}
+    out = {
+        "online": section,
+        "greedy_outputs_identical": not mismatched,
+        "mismatch": mismatch,
+        "mismatch_rule": rule,
+    }
     if verdict is not None:
         out["lossless"] = verdict.section()
         near = verdict.near_ties

@@ -145,3 +145,137 @@ def test_counts_without_drafts_are_neutral() -> None:
     got = offline.AcceptanceCounts(K).summary()
     assert got["mean_acceptance_length"] == 1.0 and got["acceptance_rate"] == 0.0
     assert got["acceptance_per_position"] == [0.0] * K and got["num_draft_tokens"] == 0
+
+
+# --- served_walk: the drafts vLLM makes on the same answer -----------------------------------
+
+
+def test_served_walk_jumps_past_accepted_tokens() -> None:
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1])  # answer from position 2, L = 8
+    ok = torch.ones(7, 2, dtype=torch.bool)
+    # prefill gives position 2; drafts from start 1 (positions 3, 4), then start 4 (6, 7)
+    assert offline.served_walk(ok, mask).tolist() == [[True, True], [True, True]]
+    # max_tokens 4: positions 2..5; the second draft would start past them
+    assert offline.served_walk(ok, mask, max_positions=4).tolist() == [[True, True]]
+    # max_tokens 2: positions 2..3; the first draft's step 1 (position 4) is cut
+    assert offline.served_walk(ok, mask, max_positions=2).tolist() == [[True, False]]
+    # nothing accepted: one draft per position, starts 1..5
+    assert offline.served_walk(~ok, mask).tolist() == [[False, False]] * 5
+
+
+def test_served_walk_stops_at_the_first_answer_and_without_one() -> None:
+    ok = torch.ones(7, 1, dtype=torch.bool)
+    mask = torch.tensor([0, 0, 1, 1, 0, 0, 1, 1])  # a second turn from 6 is not generated
+    assert offline.served_walk(ok, mask).tolist() == [[True]]  # start 1 proposes 3; 4 is cut
+    assert offline.served_walk(ok, torch.zeros(8, dtype=torch.long)).shape == (0, 1)
+
+
+# --- simulate: samples read once, greedy once, cap, served walk ------------------------------
+
+
+class CountingHead:
+    def __init__(self, head: offline.VerifierHead) -> None:
+        self.head, self.calls = head, 0
+
+    def greedy(self, final: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.head.greedy(final)
+
+
+def test_simulate_computes_greedy_once_per_sample_for_all_drafters(tmp_path: Path) -> None:
+    head = CountingHead(_head(tmp_path))
+    mask = torch.tensor([0, 0, 1, 1, 1, 1])
+    samples = {
+        f"s{i}": {"hidden_states": _hidden_states(), "token_ids": TOKENS, "loss_mask": mask}
+        for i in range(4)
+    }
+    reads: list[str] = []
+
+    def read(sid: str) -> dict:
+        reads.append(sid)
+        return samples[sid]
+
+    models = {
+        "trained": ScriptedDrafter(None),
+        "untrained": ScriptedDrafter(None),
+        "init": ScriptedDrafter(None),
+    }
+    sim = offline.simulate(
+        models, head, read, ["s0", "s1"], K, same_ids=["s1", "s3"], max_positions=3
+    )
+    assert sorted(reads) == ["s0", "s1", "s3"] and head.calls == 3  # s2: beyond the cap
+    assert (sim.num_whole, sim.num_same) == (2, 2)
+    one = offline.simulate_sample(
+        ScriptedDrafter(None), head.head, _hidden_states(), TOKENS, mask, K
+    )
+    for name in models:
+        assert sim.whole[name].drafts == 2 * len(one)
+    assert len(models["trained"].calls) == 3 and len(models["init"].calls) == 2
+    assert sim.same is not None and sim.same.drafts > 0
+
+
+# --- the same numbers as before: fp32 on CPU, a real speculators drafter ---------------------
+
+
+def _old_simulate_sample(drafter, head, hidden_states, token_ids, loss_mask, num_steps):
+    """evaluation/offline.simulate_sample before the shared-greedy / device change, verbatim."""
+    length = token_ids.shape[0]
+    aux = hidden_states[:, :-1].flatten(1).float()
+    greedy = head.greedy(hidden_states[:, -1])
+    s = length - 1
+    with torch.no_grad():
+        drafts = drafter(
+            hidden_states=aux[:-1].unsqueeze(0),
+            input_ids=token_ids[1:].unsqueeze(0),
+            document_ids=torch.zeros(1, s, dtype=torch.long),
+            position_ids=torch.arange(1, length).unsqueeze(0),
+            ttt_steps=num_steps,
+        )
+    d2t = drafter.d2t
+    starts = torch.arange(s)
+    ok = torch.zeros(s, num_steps, dtype=torch.bool)
+    for k in range(num_steps):
+        target_pos = starts + 2 + k
+        valid = target_pos < length
+        draft_ids = drafts[k][0]
+        target_ids = draft_ids + d2t[draft_ids] if d2t is not None else draft_ids
+        verifier_tok = torch.full((s,), -1, dtype=torch.long)
+        verifier_tok[valid] = greedy[target_pos[valid] - 1]
+        ok[:, k] = valid & (target_ids == verifier_tok)
+    prefix = torch.cumprod(ok.int(), dim=1).bool()
+    first_pos = starts + 2
+    keep = (first_pos < length) & (loss_mask[first_pos.clamp(max=length - 1)] > 0)
+    return prefix[keep]
+
+
+def test_simulation_numbers_unchanged_on_cpu_fp32(tmp_path: Path) -> None:
+    from drafter_fixtures import HIDDEN, build_drafter, build_llama_verifier
+
+    verifier = build_llama_verifier(tmp_path / "verifier")
+    drafters = {
+        name: build_drafter(verifier, list(range(0, 512, 2)), [2, 4, 5], seed=seed).eval()
+        for name, seed in (("trained", 0), ("untrained", 1))
+    }
+    head = offline.VerifierHead(verifier, 1e-6)
+    gen = torch.Generator().manual_seed(0)
+    samples = {}
+    for i in range(3):
+        n = 20 + 5 * i
+        ids = torch.randint(0, 512, (n,), generator=gen)
+        hs = torch.randn(n, 4, HIDDEN, generator=gen).to(torch.bfloat16)  # as the store reads
+        mask = torch.zeros(n, dtype=torch.long)
+        mask[6:] = 1
+        samples[f"s{i}"] = {"hidden_states": hs, "token_ids": ids, "loss_mask": mask}
+    sim = offline.simulate(drafters, head, samples.__getitem__, list(samples), K)
+    for name, model in drafters.items():
+        before = offline.AcceptanceCounts(K)
+        for t in samples.values():
+            old = _old_simulate_sample(
+                model, head, t["hidden_states"], t["token_ids"], t["loss_mask"], K
+            )
+            new = offline.simulate_sample(
+                model, head, t["hidden_states"], t["token_ids"], t["loss_mask"], K
+            )
+            assert torch.equal(old, new)
+            before.add(old)
+        assert sim.whole[name].summary() == before.summary()

@@ -136,3 +136,160 @@ def test_stage_without_val_prompts_is_one_line_error(
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataError, match="val.jsonl: not found"):
         evaluate.run_online(_params())
+
+
+# --- the like-for-like alarm -----------------------------------------------------------------
+
+
+def test_relative_rule_is_a_shortfall_in_accepted_tokens_per_draft() -> None:
+    assert evaluate.relative_gap(2.8, 3.0) == pytest.approx(-0.1)
+    assert evaluate.is_short(2.7, 3.0, 0.1)  # 1.7 vs 2.0 accepted per draft: 15% short
+    assert not evaluate.is_short(2.96, 3.0, 0.1)  # 2% short: a right drafter
+    assert not evaluate.is_short(3.6, 3.0, 0.1)  # more than simulated: no cause named fits
+    assert evaluate.relative_gap(1.2, 1.0) is None and not evaluate.is_short(1.0, 1.0, 0.1)
+
+
+def _section(mal: float) -> dict[str, Any]:
+    return {
+        "mean_acceptance_length": mal,
+        "acceptance_rate": (mal - 1) / 3,
+        "tokens_per_s": 2.0,
+        "tokens_per_s_baseline": 1.0,
+        "speedup": 2.0,
+        "num_prompts": 3,
+    }
+
+
+def test_alarm_compares_with_the_same_prompts_figure(capsys: pytest.CaptureFixture) -> None:
+    params = _params()
+    same = {"mean_acceptance_length": 2.5, "num_drafts": 100}
+    # whole val says 3.2 (the coarse rule is quiet: 1.3 >= 0.5 x 2.2); same prompts say 2.5
+    out = evaluate.online_verdict(_section(2.3), 3.2, [], params, offline_same=same)
+    assert out["mismatch"] is True  # 1.3 vs 1.5 accepted per draft: 13% short
+    rule = out["mismatch_rule"]
+    assert rule["compared_with"] == "offline_same_prompts"
+    assert rule["relative_gap"] == pytest.approx(-0.2 / 1.5)
+    assert rule["mismatch_tolerance"] == params.evaluate.mismatch_tolerance == 0.1
+    lines = [x for x in capsys.readouterr().out.splitlines() if "MISMATCH" in x]
+    assert len(lines) == 1 and "evaluate.mismatch_tolerance=0.1" in lines[0]
+    out = evaluate.online_verdict(_section(2.47), 3.2, [], params, offline_same=same)
+    assert out["mismatch"] is False  # 2% short
+
+
+def test_alarm_falls_back_to_the_ratio_without_a_same_prompts_figure() -> None:
+    params = _params(mismatch_ratio=0.5)
+    out = evaluate.online_verdict(_section(2.3), 3.2, [], params)
+    assert out["mismatch"] is False and out["mismatch_rule"]["compared_with"] == "offline"
+    empty = {"mean_acceptance_length": 1.0, "num_drafts": 0}  # no online prompt in the store
+    out = evaluate.online_verdict(_section(1.2), 3.2, [], params, offline_same=empty)
+    assert out["mismatch"] is True and out["mismatch_rule"]["mismatch_ratio"] == 0.5
+
+
+def test_second_concurrency_is_measured_and_reported(
+    stage_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[int] = []
+
+    def fake_prompts(url: str, conversations: list, settings: oe.Settings):
+        seen.append(settings.concurrency)
+        n = len(conversations)
+        return [([1, 2], "ab", 2, None)] * n, 1.0 if settings.concurrency == 1 else 0.25
+
+    monkeypatch.setattr(oe, "run_prompts", fake_prompts)
+    monkeypatch.setattr(oe, "complete", lambda *a, **k: None)
+    monkeypatch.setattr(
+        oe,
+        "settled_counters",
+        lambda url, k: {
+            "num_drafts": 0.0,
+            "num_draft_tokens": 0.0,
+            "num_accepted_tokens": 0.0,
+            **{f"accepted_pos_{p}": 0.0 for p in range(k)},
+            "spec_decode_enabled": 1.0,
+        },
+    )
+    settings = oe.Settings(
+        num_speculative_tokens=3, max_new_tokens=2, throughput_concurrency=(1, 16)
+    )
+    run = oe.measure("http://x", [[{"role": "user", "content": "q"}]] * 4, settings)
+    assert seen == [1, 16] and set(run.by_concurrency) == {16}
+    section = oe.online_section(run, run, 3, concurrency=1)
+    assert set(section["by_concurrency"]) == {"1", "16"}
+    assert section["by_concurrency"]["16"]["tokens_per_s"] == 32.0
+    assert section["tokens_per_s"] == 8.0 and section["speedup"] == 1.0
+
+
+# --- offline: the cap, the device, one read per sample ---------------------------------------
+
+
+class CopyDrafter:
+    """Drafts the sequence's own next tokens: every draft accepted where greedy = the tokens."""
+
+    d2t = None
+
+    def __call__(self, **kw: Any) -> list:
+        import torch
+
+        ids = kw["input_ids"][0]
+        return [
+            torch.cat([ids[1 + k :], torch.full((1 + k,), -1)]).unsqueeze(0)
+            for k in range(kw["ttt_steps"])
+        ]
+
+
+def test_offline_cap_is_honoured_and_reported(
+    stage_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from eagle3_pipeline.evaluation import offline
+
+    n = 6
+    manifest = {"samples": {f"p{i}": {"split": "val", "file": f"p{i}"} for i in range(n)}}
+    manifest["samples"]["t0"] = {"split": "train", "file": "t0"}
+    ids = torch.arange(12)
+    sample = {
+        "hidden_states": torch.nn.functional.one_hot(ids.roll(-1), 16)
+        .float()[:, None]
+        .repeat(1, 4, 1),
+        "token_ids": ids,
+        "loss_mask": (ids >= 4).long(),
+    }
+    reads: list[str] = []
+    calls = {"greedy": 0}
+
+    class Head:
+        def __init__(self, *a: Any) -> None:
+            pass
+
+        def greedy(self, final: torch.Tensor) -> torch.Tensor:
+            calls["greedy"] += 1
+            return final.argmax(-1)
+
+    monkeypatch.setattr(evaluate.vf, "read_config", lambda path: {"num_hidden_layers": 8})
+    monkeypatch.setattr(evaluate.store, "read_manifest", lambda root: manifest)
+    monkeypatch.setattr(evaluate.store, "check_layout", lambda *a: None)
+    monkeypatch.setattr(
+        evaluate.store, "read_sample", lambda root, e: reads.append(e["file"]) or sample
+    )
+    monkeypatch.setattr(evaluate.drafter, "load_mapping", lambda d: (None, None))
+    monkeypatch.setattr(evaluate.drafter, "load_drafter", lambda *a: CopyDrafter())
+    monkeypatch.setattr(evaluate.drafter, "fresh_drafter_like", lambda *a: CopyDrafter())
+    monkeypatch.setattr(offline, "VerifierHead", Head)
+    params = _params(max_offline_samples=2, max_eval_prompts=3, max_new_tokens=4)
+    simulated, result = evaluate.simulate_offline(params)
+    assert result["offline_run"] == {
+        "samples_simulated": 2,
+        "samples_total": n,
+        "max_offline_samples": 2,
+        "device": "cpu",
+        "dtype": "float32",
+    }
+    # whole-val: p0, p1; the online run's prompts: p0..p2 (p2 only for the served drafter)
+    assert reads == ["p0", "p1", "p2"] and calls["greedy"] == 3
+    assert simulated["trained"]["acceptance_rate"] == simulated["untrained"]["acceptance_rate"]
+    assert simulated["trained"]["num_drafts"] == 2 * 8  # starts 2..9 of each sample
+    same = result["offline_same_prompts"]
+    assert same["num_prompts"] == 3 and same["max_new_tokens"] == 4
+    # answer 4..7 (max_new_tokens 4): one draft from start 3, positions 5, 6, 7 all accepted
+    assert same["num_drafts"] == 3 and same["mean_acceptance_length"] == 4.0
