@@ -158,6 +158,7 @@ def bench_extract(tmp: Path) -> dict | None:
     paired runs (bare then extract, twice; the least disturbed pair), and within each extract
     run the time spent outside the model (load + forward) over the time inside it.
     """
+    from eagle3_pipeline import extraction
     from eagle3_pipeline.stages import extract
     from eagle3_pipeline.verifier import loading
 
@@ -198,7 +199,7 @@ def bench_extract(tmp: Path) -> dict | None:
                 base(input_ids=input_ids, attention_mask=attn, use_cache=False)
 
     inside = [0.0]
-    real_load, real_forward = loading.load_model, extract.forward_hidden_states
+    real_load, real_forward = loading.load_model, extraction.forward_hidden_states
 
     def timed_load(*a, **kw):
         t, out = _timed(real_load, *a, **kw)
@@ -213,7 +214,7 @@ def bench_extract(tmp: Path) -> dict | None:
     cwd = os.getcwd()
     os.chdir(work)
     times: dict[str, list[float]] = {"bare": [], "extract": [], "extract_in_model": []}
-    loading.load_model, extract.forward_hidden_states = timed_load, timed_forward
+    loading.load_model, extraction.forward_hidden_states = timed_load, timed_forward
     try:
         for _ in range(2):
             times["bare"].append(_timed(bare)[0])
@@ -221,7 +222,7 @@ def bench_extract(tmp: Path) -> dict | None:
             times["extract"].append(_timed(extract.run, params)[0])
             times["extract_in_model"].append(inside[0])
     finally:
-        loading.load_model, extract.forward_hidden_states = real_load, real_forward
+        loading.load_model, extraction.forward_hidden_states = real_load, real_forward
         os.chdir(cwd)
     ratios = [e / b - 1 for e, b in zip(times["extract"], times["bare"], strict=True)]
     pair_s = [e + b for e, b in zip(times["extract"], times["bare"], strict=True)]

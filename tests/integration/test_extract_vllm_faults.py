@@ -31,7 +31,7 @@ def test_connector_write_failure_ends_extract_at_once(
 
     @contextlib.contextmanager
     def on_a_tiny_disk(p, layer_ids, work):
-        target = work / extract.VLLM_FILES
+        target = work  # the folder vLLM's connector writes into
         if not mount_tmpfs(target, "16k"):
             pytest.skip("cannot mount a tmpfs here (needs root); the unit test injects ENOSPC")
         mounts.append(target)

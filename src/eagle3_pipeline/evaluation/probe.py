@@ -13,9 +13,7 @@ each. The scratch files are removed at the end.
 
 from __future__ import annotations
 
-import contextlib
 import shutil
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ from eagle3_pipeline import paths, readers
 from eagle3_pipeline.drafter import load as drafter_load
 from eagle3_pipeline.errors import DataError, ParamsError
 from eagle3_pipeline.evaluation import offline
+from eagle3_pipeline.extraction import open_backend, token_budget_batches
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
 from eagle3_pipeline.store import format as store
@@ -34,8 +33,6 @@ from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
 STAGE = "probe-layers"
 WORK_DIR = paths.SCRATCH / "probe"
 INPUT_DIR = paths.TOKENIZED
-
-BatchFn = Callable[[list[list[int]]], list[torch.Tensor]]
 
 
 def parse_ids(text: str) -> list[int]:
@@ -76,51 +73,20 @@ def probe_rows(limit: int) -> list[dict[str, Any]]:
     return rows[:limit]
 
 
-@contextlib.contextmanager
-def open_backend(params: Params, backend: str, layer_ids: list[int]) -> Iterator[BatchFn]:
-    """The extract stage's backends: transformers hooks, or vLLM's extract_hidden_states."""
-    if backend == "vllm":
-        from eagle3_pipeline.serving import hidden_states as vllm_extract
-
-        with vllm_extract.engine(params, layer_ids, WORK_DIR / "vllm") as eng:
-            yield eng.extract
-        return
-    from eagle3_pipeline.verifier import loading
-    from eagle3_pipeline.verifier.capture import LayerCapture, forward_hidden_states
-
-    model = loading.load_model(params)
-    capture = LayerCapture(model, layer_ids)
-
-    def run_batch(batch_ids: list[list[int]]) -> list[torch.Tensor]:
-        hs = forward_hidden_states(model, capture, batch_ids)
-        return [hs[j, : len(ids)] for j, ids in enumerate(batch_ids)]
-
-    try:
-        yield run_batch
-    finally:
-        capture.remove()
-
-
-def batches(rows: list[dict[str, Any]], max_tokens: int) -> list[list[dict[str, Any]]]:
-    """Length-sorted batches of at most `max_tokens` padded tokens (one sample at least)."""
-    out: list[list[dict[str, Any]]] = []
-    cur: list[dict[str, Any]] = []
-    for row in sorted(rows, key=lambda r: (len(r["input_ids"]), r["id"])):
-        if cur and (len(cur) + 1) * len(row["input_ids"]) > max_tokens:
-            out.append(cur)
-            cur = []
-        cur.append(row)
-    return out + [cur] if cur else out
-
-
 def extract(
     params: Params, rows: list[dict[str, Any]], layout: store.StoreLayout, backend: str
 ) -> dict[str, dict[str, Any]]:
     """Hidden states of `rows` at layout.layer_ids into WORK_DIR; their store entries by id."""
     entries: dict[str, dict[str, Any]] = {}
     progress = Progress(STAGE, sum(len(r["input_ids"]) for r in rows), unit="tok")
-    with open_backend(params, backend, layout.layer_ids) as run_batch:
-        for batch in batches(rows, params.extract.max_tokens_per_batch):
+    chosen = params.model_copy(
+        update={"extract": params.extract.model_copy(update={"backend": backend})}
+    )
+    by_id = {r["id"]: r for r in rows}
+    lengths = {r["id"]: len(r["input_ids"]) for r in rows}
+    with open_backend(chosen, layout.layer_ids, WORK_DIR / "vllm") as run_batch:
+        for ids in token_budget_batches(lengths, params.extract.max_tokens_per_batch):
+            batch = [by_id[i] for i in ids]
             states = run_batch([r["input_ids"] for r in batch])
             written = store.write_samples(
                 WORK_DIR,

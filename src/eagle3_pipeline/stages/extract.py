@@ -16,9 +16,9 @@ fsynced; the store's disk must then hold it all). A write that fails anyway (dis
 writer or in vLLM's connector) ends the stage at once with the OS's reason, the mount, its free
 space and what is still to write (disk.py); the journal keeps what was complete.
 
-Backends (extract.backend) differ only in how a batch's hidden states are computed: `hf` runs the
-transformers model with hooks (LayerCapture), `vllm` asks vLLM's `extract_hidden_states` method
-(serving/hidden_states.py). Both hand [seq, n_ids, hidden] per sample to the same store writer.
+Batching and the backends (extract.backend: `hf` hooks or vLLM's `extract_hidden_states`) are in
+extraction.py, shared with `eagle3 probe-layers`; both backends hand [seq, n_ids, hidden] per
+sample to the same store writer.
 """
 
 from __future__ import annotations
@@ -26,20 +26,18 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eagle3_pipeline import atomic, disk, paths, readers, resume
-from eagle3_pipeline.errors import DataError, StoreError
+from eagle3_pipeline.errors import StoreError
+from eagle3_pipeline.extraction import open_backend, token_budget_batches
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.store import names
 from eagle3_pipeline.verifier import identity as vf
-from eagle3_pipeline.verifier import loading
-from eagle3_pipeline.verifier.capture import LayerCapture, forward_hidden_states
 from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
 
 if TYPE_CHECKING:
@@ -50,63 +48,6 @@ INPUT_DIR = paths.TOKENIZED
 OUTPUT_DIR = paths.HIDDEN_STATES
 VLLM_FILES = "vllm"  # subfolder of the scratch dir where vLLM's connector writes its files
 JOURNAL = "entries.jsonl"  # the unsharded run's journal; shards write entries.shard-I-of-N.jsonl
-
-# A batch of token id lists -> one [seq, n_ids, hidden] tensor per sample, in layer-id order.
-BatchFn = Callable[[list[list[int]]], "list[torch.Tensor]"]
-
-
-def token_budget_batches(lengths: dict[str, int], max_tokens: int) -> list[list[str]]:
-    """Length-sorted batches whose padded size (n x longest) stays within max_tokens."""
-    order = sorted(lengths, key=lambda i: (lengths[i], i))
-    batches: list[list[str]] = []
-    cur: list[str] = []
-    for sid in order:
-        if lengths[sid] > max_tokens:
-            raise DataError(
-                f"{INPUT_DIR}: sample {sid} has {lengths[sid]} tokens, more than "
-                f"extract.max_tokens_per_batch={max_tokens}: raise it or lower tokenize.max_seq_len"
-            )
-        if cur and (len(cur) + 1) * lengths[sid] > max_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(sid)
-    if cur:
-        batches.append(cur)
-    return batches
-
-
-@contextlib.contextmanager
-def hf_backend(params: Params, layer_ids: list[int]) -> Iterator[BatchFn]:
-    """transformers forward with hooks; right-padded batches, padding cut off per sample."""
-
-    model = loading.load_model(params)
-    capture = LayerCapture(model, layer_ids)
-
-    def run_batch(batch_ids: list[list[int]]) -> list[torch.Tensor]:
-        hs = forward_hidden_states(model, capture, batch_ids)
-        return [hs[j, : len(ids)] for j, ids in enumerate(batch_ids)]
-
-    try:
-        yield run_batch
-    finally:
-        capture.remove()
-
-
-@contextlib.contextmanager
-def vllm_backend(params: Params, layer_ids: list[int], work: Path) -> Iterator[BatchFn]:
-    """vLLM's extract_hidden_states; its connector writes into the scratch dir."""
-    from eagle3_pipeline.serving import hidden_states as vllm_extract
-
-    with vllm_extract.engine(params, layer_ids, work / VLLM_FILES) as eng:
-        yield eng.extract
-
-
-def open_backend(
-    params: Params, layer_ids: list[int], work: Path
-) -> contextlib.AbstractContextManager[BatchFn]:
-    if params.extract.backend == "vllm":
-        return vllm_backend(params, layer_ids, work)
-    return hf_backend(params, layer_ids)
 
 
 def write_batch(
@@ -295,7 +236,7 @@ def run(params: Params, shard: tuple[int, int] | None = None) -> None:
 
         with (
             disk.guard(STAGE, work, still_needed),
-            open_backend(params, layout.layer_ids, backend_dir) as run_batch,
+            open_backend(params, layout.layer_ids, backend_dir / VLLM_FILES) as run_batch,
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer") as writer,
         ):
             # Batch n is written (and fsynced) while the verifier computes batch n+1.
