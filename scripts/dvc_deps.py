@@ -46,8 +46,7 @@ def rewrite(text: str, stages: list[str], params: Params | None = None) -> str:
         ]
         code = "".join(f"      - ${{pkg}}/{r}\n" for r in stage_deps_lines(stage))
         wanted = stage_deps.path_params(stage, params) if params is not None else {}
-        literal = [ln.split("- ", 1)[1].split(" #")[0].strip() for ln in others]
-        literal = [d for d in literal if "${" not in d]
+        literal = [d for d in map(stage_deps.dep_path, others) if "${" not in d]
         extra = "".join(
             f"      - {path}  {stage_deps.PARAM_MARK}{key}\n"
             for key, path in wanted.items()

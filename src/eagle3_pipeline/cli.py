@@ -42,6 +42,14 @@ def _env_defaults() -> None:
     os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
 
+def _common_args(
+    p: argparse.ArgumentParser, params_help: str = "params file (default: %(default)s)"
+) -> None:
+    """--params and --debug, which every command takes."""
+    p.add_argument("--params", default="params.yaml", help=params_help)
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="eagle3",
@@ -51,8 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="stage", required=True, metavar="<stage>")
     for name, help_text in STAGES.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
-        p.add_argument("--debug", action="store_true", help="show tracebacks")
+        _common_args(p)
         if name == "extract":
             p.add_argument(
                 "--shard",
@@ -69,8 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         "clean-work",
         help="empty data/.work/ (resume state, caches); refused while a stage runs",
     )
-    p.add_argument("--params", default="params.yaml", help=argparse.SUPPRESS)
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    _common_args(p, params_help=argparse.SUPPRESS)
     return parser
 
 
@@ -93,17 +99,15 @@ def _add_store_parser(sub: argparse._SubParsersAction) -> None:
         "against the tokenized input; list the bad files, exit 1 if any"
     )
     v = tools.add_parser("verify", help=v_help, description=v_help)
-    v.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
+    _common_args(v)
     v.add_argument("--store", default=str(paths.HIDDEN_STATES), help="store (default: %(default)s)")
-    v.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
 def _add_provenance_parser(sub: argparse._SubParsersAction) -> None:
     help_text = "what produced a stage's outputs: commit, params hash, versions, device, seeds"
     p = sub.add_parser("provenance", help=help_text, description=help_text)
     p.add_argument("target", help="a stage name (e.g. train) or an output path in it")
-    p.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    _common_args(p)
 
 
 def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
@@ -113,7 +117,7 @@ def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
         "extracted at each candidate aux id set (plus the final id)"
     )
     p = sub.add_parser("probe-layers", help=help_text, description=help_text)
-    p.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
+    _common_args(p)
     p.add_argument(
         "--ids",
         action="append",
@@ -127,7 +131,6 @@ def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
         "--backend", choices=["hf", "vllm"], help="extract backend (default: extract.backend)"
     )
     p.add_argument("--drafter", metavar="PATH", help="drafter (default: train.init_from)")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -137,7 +140,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "and estimate parameters, store size, checkpoints and steps, before any GPU hour"
     )
     p = sub.add_parser("plan", help=help_text, description=help_text)
-    p.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
+    _common_args(p)
     p.add_argument(
         "--verifier-config",
         metavar="PATH",
@@ -150,7 +153,6 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--tokens", type=int, metavar="N", help="tokens in the store (overrides)")
     p.add_argument("--prompts", type=int, metavar="N", help="number of prompts (overrides)")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
 def _run_plan(args: argparse.Namespace, params: Params) -> None:

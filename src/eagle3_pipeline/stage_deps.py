@@ -100,6 +100,11 @@ def path_params(stage: str, params: Params) -> dict[str, str]:
     return found
 
 
+def dep_path(line: str) -> str:
+    """The path of one `      - <path>  # comment` line of a deps block."""
+    return line.split("- ", 1)[1].split(" #")[0].strip()
+
+
 def stage_dep_paths(dvc_text: str, stage: str) -> list[str]:
     """The literal (untemplated) paths in a stage's `deps:` block of dvc.yaml's text."""
     block = re.search(rf"\n  {re.escape(stage)}:\n(?:    [^\n]*\n|      [^\n]*\n)*", dvc_text)
@@ -108,7 +113,7 @@ def stage_dep_paths(dvc_text: str, stage: str) -> list[str]:
     deps = re.search(r"    deps:\n((?:      - [^\n]*\n)+)", block.group(0))
     if deps is None:
         return []
-    lines = [line.split("- ", 1)[1].split(" #")[0].strip() for line in deps.group(1).splitlines()]
+    lines = [dep_path(line) for line in deps.group(1).splitlines()]
     return [d for d in lines if "${" not in d]
 
 

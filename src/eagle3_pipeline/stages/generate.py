@@ -132,7 +132,7 @@ def _generate_hf(
             )
         new_tokens = out[:, enc["input_ids"].shape[1] :]
         done = []
-        for r, prompt, toks in zip(batch, prompts, new_tokens.tolist(), strict=True):
+        for j, (r, toks) in enumerate(zip(batch, new_tokens.tolist(), strict=True)):
             # Emitted ids up to and including the one that ended the turn; after it, padding.
             end = next((i for i, t in enumerate(toks) if t in ends), None)
             emitted = toks if end is None else toks[: end + 1]
@@ -141,7 +141,8 @@ def _generate_hf(
             )
             # As the server: no reasoning parser, no reasoning (the whole reply is the answer).
             reasoning, content = split_reasoning(text) if g.reasoning_parser else (None, text)
-            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            # the prompt's ids as the model read them: the batch's, left padding dropped
+            prompt_ids = enc["input_ids"][j][enc["attention_mask"][j].bool()].tolist()
             finish = "length" if end is None else "stop"
             done.append(_row(r, reasoning, content, finish, emitted, prompt_ids))
         journal.append(done)
