@@ -153,10 +153,16 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--tokens", type=int, metavar="N", help="tokens in the store (overrides)")
     p.add_argument("--prompts", type=int, metavar="N", help="number of prompts (overrides)")
+    p.add_argument(
+        "--samples",
+        metavar="N[:TOKENS],...",
+        help="also cost the hidden states of both modes at these sample counts, e.g. "
+        "10k,600k:6B (TOKENS: their total; default: the plan's mean per sample)",
+    )
 
 
 def _run_plan(args: argparse.Namespace, params: Params) -> None:
-    from eagle3_pipeline.plan import plan, report
+    from eagle3_pipeline.plan import modes, plan, report
 
     result = plan.make_plan(
         params,
@@ -165,6 +171,7 @@ def _run_plan(args: argparse.Namespace, params: Params) -> None:
         init_config=args.init_config,
         tokens=args.tokens,
         prompts=args.prompts,
+        samples=modes.parse_samples(args.samples) if args.samples else None,
     )
     print(report.render(result), flush=True)
 

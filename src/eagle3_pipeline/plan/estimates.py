@@ -23,10 +23,18 @@ ASSUMED_PROMPT_TOKENS = 256
 
 @dataclass(frozen=True)
 class TokenEstimate:
-    """Tokens the store will hold (None: unknown), and how that number was reached."""
+    """Tokens of every sample (None: unknown), over how many samples, and how it was reached."""
 
     total: int | None
     how: list[str]
+    samples: int | None = None
+
+    @property
+    def tokens_per_sample(self) -> float | None:
+        """The mean; None when the count or the total is unknown."""
+        if self.total is None or not self.samples:
+            return None
+        return self.total / self.samples
 
 
 def store_bytes_per_token(n_layers: int, hidden: int) -> dict[str, int]:
@@ -121,12 +129,11 @@ def prompt_length(params: Params) -> PromptLength:
 def estimate_tokens(
     params: Params, tokens: int | None, prompts: int | None, prompt: PromptLength | None = None
 ) -> TokenEstimate:
-    """Tokens the store will hold: given, or prompts x min(prompt + max_new_tokens, max_seq_len).
+    """Tokens of every sample: given, or prompts x min(prompt + max_new_tokens, max_seq_len).
 
-    An upper bound: it assumes every answer runs to generate.max_new_tokens.
+    An upper bound: it assumes every answer runs to generate.max_new_tokens. Given tokens are
+    spread over the prompt count when one is known (--prompts, the prompt files, max_prompts).
     """
-    if tokens is not None:
-        return TokenEstimate(tokens, ["given (--tokens)"])
     source = Path(params.prepare.prompts)
     stats = _prompt_stats(source) if source.exists() else None
     cap = params.prepare.max_prompts
@@ -136,8 +143,13 @@ def estimate_tokens(
         n, how_n = min(stats[0], cap or stats[0]), f"in {source}"
     elif cap is not None:
         n, how_n = cap, f"prepare.max_prompts; {source} not found"
+    elif tokens is not None:
+        return TokenEstimate(tokens, ["given (--tokens); prompt count unknown (--prompts N)"])
     else:
         return TokenEstimate(None, [f"unknown: {source} not found; pass --tokens N or --prompts N"])
+    if tokens is not None:
+        how = [f"given (--tokens) over {n:,} prompts ({how_n}): {tokens / n:,.0f} per sample"]
+        return TokenEstimate(tokens, how, n)
     prompt = prompt or prompt_length(params)
     max_new, max_len = params.generate.max_new_tokens, params.tokenize.max_seq_len
     per_sample = min(prompt.tokens + max_new, max_len)
@@ -147,7 +159,7 @@ def estimate_tokens(
         "per sample",
         "(upper bound: every answer runs to generate.max_new_tokens)",
     ]
-    return TokenEstimate(n * per_sample, how)
+    return TokenEstimate(n * per_sample, how, n)
 
 
 def global_batch_tokens(params: Params) -> int:

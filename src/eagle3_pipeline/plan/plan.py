@@ -1,8 +1,9 @@
 """`eagle3 plan`: what a run will build and cost, from config files alone, before any GPU hour.
 
 `make_plan` meets every check in the order a run would (inputs.py reads, checks.py refuses or
-warns, drafter/shape.py counts, estimates.py sizes); report.py renders the result. A mismatch
-that would only surface days later (after generate and extract) stops here as one line.
+warns, drafter/shape.py counts, estimates.py sizes, modes.py costs the hidden states in both
+modes); report.py renders the result. A mismatch that would only surface days later (after
+generate and extract) stops here as one line.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from eagle3_pipeline.drafter.shape import (
     parameter_groups,
 )
 from eagle3_pipeline.params import Params
-from eagle3_pipeline.plan import checks, estimates, inputs, memory
+from eagle3_pipeline.plan import checks, estimates, inputs, memory, modes
 from eagle3_pipeline.verifier import identity as vf
 from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
 
@@ -40,6 +41,12 @@ class Plan:
     groups: list[ParamGroup]
     store_bytes_per_token: dict[str, int]
     tokens: estimates.TokenEstimate
+    hidden_states: str  # train.hidden_states: the mode this run uses
+    store_dtype: str
+    online_keep_val: int | None  # val samples extract keeps in online mode (None: all)
+    # Both modes' disk and prefill: the plan's own sample count first (when known), then each
+    # --samples entry.
+    scales: list[modes.ScaleCost]
     train_tokens: int | None
     steps_per_epoch: int | None
     total_steps: int | None
@@ -74,11 +81,9 @@ class Plan:
     def frozen_params(self) -> int:
         return self.total_params - self.trainable_params
 
-    @property
-    def store_bytes(self) -> dict[str, int] | None:
-        if self.tokens.total is None:
-            return None
-        return {k: v * self.tokens.total for k, v in self.store_bytes_per_token.items()}
+    def disk_bytes(self, cost: modes.ModeCost) -> dict[str, int]:
+        """The hidden states a mode keeps on disk, in each store dtype."""
+        return {k: v * cost.disk_tokens for k, v in self.store_bytes_per_token.items()}
 
 
 def make_plan(
@@ -88,8 +93,13 @@ def make_plan(
     init_config: str | Path | None = None,
     tokens: int | None = None,
     prompts: int | None = None,
+    samples: list[tuple[int, int | None]] | None = None,
 ) -> Plan:
-    """Every check in the order a run would meet it; raises the first mismatch as one line."""
+    """Every check in the order a run would meet it; raises the first mismatch as one line.
+
+    `samples`: further (sample count, total tokens or None for the plan's mean per sample) at
+    which to cost the hidden states of both modes (`--samples`).
+    """
     where = str(params_path)
     config, config_file = inputs.load_verifier_config(params, verifier_config)
     v = inputs.verifier_shape(config, str(config_file or f"{where} (verifier.tiny)"))
@@ -114,6 +124,12 @@ def make_plan(
     steps = (
         estimates.schedule(params, estimate.total) if estimate.total is not None else (None,) * 4
     )
+    own = (
+        modes.scale_cost(params, estimate.samples, estimate.total, "plan")
+        if estimate.total is not None and estimate.samples
+        else None
+    )
+    asked = modes.requested_scales(params, samples or [], estimate.tokens_per_sample)
     return Plan(
         profile=params.profile,
         params_path=where,
@@ -127,6 +143,10 @@ def make_plan(
         groups=groups,
         store_bytes_per_token=estimates.store_bytes_per_token(len(aux) + 1, v.hidden_size),
         tokens=estimate,
+        hidden_states=params.train.hidden_states,
+        store_dtype=params.extract.store_dtype,
+        online_keep_val=modes.kept_val_samples(params),
+        scales=([own] if own else []) + asked,
         train_tokens=steps[0],
         steps_per_epoch=steps[1],
         total_steps=steps[2],
@@ -142,5 +162,6 @@ def make_plan(
         training=memory.train_memory(params, groups, drafter),
         warnings=checks.run_warnings(params, drafter, run)
         + checks.sequence_warnings(params, prompt.tokens)
-        + checks.memory_warnings(serving),
+        + checks.memory_warnings(serving)
+        + modes.online_warnings(params, own),
     )

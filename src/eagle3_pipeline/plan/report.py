@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from eagle3_pipeline import paths
-from eagle3_pipeline.plan import memory
+from eagle3_pipeline.plan import memory, modes
 from eagle3_pipeline.plan.plan import Plan
 
 TRAIN_SCRATCH = paths.SCRATCH / "train"  # where the train stage keeps its epoch checkpoints
@@ -88,14 +88,11 @@ def _cost_lines(p: Plan) -> list[str]:
         _row("", f"{bpt['fp8']:,} B/token fp8 (1 B/value + fp32 scale per token and layer)"),
     ]
     lines += [_row("tokens" if i == 0 else "", h) for i, h in enumerate(p.tokens.how)]
-    if p.tokens.total is not None and p.store_bytes is not None:
-        sizes = p.store_bytes
+    if p.tokens.total is not None:
+        lines.append(_row("", f"= {p.tokens.total:,} tokens"))
+    lines += _mode_lines(p)
+    if p.tokens.total is not None:
         lines += [
-            _row(
-                "",
-                f"= {p.tokens.total:,} tokens: store {_size(sizes['bf16'])} bf16, "
-                f"{_size(sizes['fp8'])} fp8",
-            ),
             _row(
                 "schedule",
                 f"{p.train_tokens:,} train tokens / {p.global_batch_tokens:,} per step "
@@ -120,6 +117,68 @@ def _cost_lines(p: Plan) -> list[str]:
             f"(all {p.epochs} epochs: {_size(ckpt * p.epochs)})",
         ),
     ]
+    return lines
+
+
+def _mode_lines(p: Plan) -> list[str]:
+    """Disk and verifier prefill of both hidden-state modes, one table row per sample count."""
+    keep = (
+        "every val sample (extract.online_keep_val null)"
+        if p.online_keep_val is None
+        else f"the first {p.online_keep_val:,} val samples by id (extract.online_keep_val)"
+    )
+    star = {m: "*" if m == p.hidden_states else "" for m in modes.MODES}
+    lines = [
+        _row(
+            "hidden",
+            f"disk and verifier prefill in both modes; train.hidden_states: {p.hidden_states} "
+            f"(*); disk bf16 (fp8), extract.store_dtype {p.store_dtype}",
+        ),
+        _row("", "store: extract prefills every sample once and writes it; train reads the store"),
+        _row(
+            "",
+            f"online: vLLM prefills every sample not on disk in each of the {p.epochs} epochs; "
+            "on disk:",
+        ),
+        _row("", f"{keep}, written by extract, read by train and evaluate"),
+    ]
+    if not p.scales:
+        return lines + [_row("", "sample count unknown: pass --prompts N (or --samples N:TOKENS)")]
+    head = [
+        "samples",
+        "x each",
+        "= tokens",
+        f"{star['store']}store disk",
+        "prefill",
+        f"{star['online']}online disk",
+        "val kept",
+        "prefill",
+        "",
+    ]
+    table = [head]
+    for c in p.scales:
+        store, online = p.disk_bytes(c.store), p.disk_bytes(c.online)
+        table.append(
+            [
+                f"{c.samples:,}",
+                f"x {c.tokens_per_sample:,}",
+                f"= {_m(c.tokens)}",
+                f"{_size(store['bf16'])} ({_size(store['fp8'])})",
+                _m(c.store.prefill_tokens),
+                f"{_size(online['bf16'])} ({_size(online['fp8'])})",
+                f"{c.online.disk_samples:,}",
+                _m(c.online.prefill_tokens),
+                c.how,
+            ]
+        )
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    left = {3, 5, 8}  # the sizes and where the row comes from; numbers right-aligned
+    for r in table:
+        cells = [
+            f"{cell:<{w}}" if i in left else f"{cell:>{w}}"
+            for i, (cell, w) in enumerate(zip(r, widths, strict=True))
+        ]
+        lines.append(_row("", "  ".join(cells).rstrip()))
     return lines
 
 

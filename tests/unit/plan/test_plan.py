@@ -41,7 +41,8 @@ def test_kimi_plan_cli_prints_the_checkpoints_conventions(capsys) -> None:
     assert "aux [3, 31, 59] + final 61" in out
     assert "fc trained on [3, 31, 59] (written [2, 30, 58] in SGLang's convention): same" in out
     assert "draft 32,000 of target 163,840" in out
-    assert "store 4.70 TB bf16" in out
+    # 81,920,000 tokens over the profile's 10,000 prompts: 8,192 each, 57,344 B/token in bf16.
+    assert "10,000 x 8,192 = 81.9M 4.70 TB (2.35 TB) 81.9M" in " ".join(out.split())
     # 81,920,000 x 0.9 / (8 ranks x 20,480 per batch) = 450 steps/epoch; 5 epochs; warm-up 2%.
     assert "/ 163,840 per step = 450 steps/epoch" in out and "2,250 steps, warm-up 45" in out
     # AQ-MedAI is SpecForge's: no norm before fc, wired as the checkpoint was; nothing to warn.
