@@ -41,9 +41,13 @@ ENV DEBIAN_FRONTEND=noninteractive \
 
 # Python 3.12 is the lock's target; a host compiler and Python headers for the kernels Triton,
 # FlashInfer and Humming build at run time (nvcc and the CUDA headers come with the base).
+# Mooncake's wheel (train.online.backend: mooncake) loads libibverbs.so.1, libnuma.so.1 and
+# libcurl.so.4 from the system even for TCP (curl brings libcurl under its release's package
+# name); ibverbs-providers holds the RDMA NICs' drivers (protocol: rdma).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
         python3.12 python3.12-venv python3.12-dev git make build-essential ca-certificates \
+        libibverbs1 ibverbs-providers libnuma1 curl \
     && rm -rf /var/lib/apt/lists/*
 
 RUN python3.12 -m venv /opt/venv
