@@ -24,6 +24,8 @@ MODULES = (
     "vllm.model_executor.models.deepseek_v2",
     "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
     "speculators.train.trainer",
+    "hs_connectors.transfer",
+    "mooncake.store",  # online mode's two-machine backend (libibverbs in the image)
     "torchvision",
     "torchaudio",
     "torchcodec",

@@ -133,6 +133,10 @@ class ExtractParams(_Strict):
     store_dtype: Literal["bf16", "fp8"] = "bf16"
     # Pre-flight: refuse to start when the disk lacks the estimated store size plus this margin.
     disk_headroom_gb: float = Field(1.0, ge=0.0)
+    # train.hidden_states=online: the store keeps only val samples, at most this many (the first
+    # by id; null: every val sample). Evaluate simulates on them; train validates on them
+    # without asking the server.
+    online_keep_val: int | None = Field(None, ge=1)
 
 
 class VocabParams(_Strict):
@@ -154,7 +158,42 @@ class DrafterFlagsParams(_Strict):
     norm_output: bool | None = None
 
 
+class MooncakeParams(_Strict):
+    """hs_connectors' `mooncake` backend: hidden states through a Mooncake store, no shared disk."""
+
+    master: str = "127.0.0.1:50051"  # host:port of `mooncake_master`
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device: str = ""  # RDMA device(s), e.g. mlx5_0; empty: Mooncake chooses
+    global_segment_gib: float = Field(4.0, gt=0)
+    local_buffer_gib: float = Field(2.0, gt=0)
+    # The address this trainer registers with the master (MOONCAKE_LOCAL_HOSTNAME); null: the
+    # host's own.
+    local_hostname: str | None = None
+
+
+class OnlineParams(_Strict):
+    """Where train gets hidden states when train.hidden_states is `online` (docs/online.md)."""
+
+    # A running vLLM server of the verifier with `extract_hidden_states` (its /v1 URL); null:
+    # the train stage starts one on this machine and stops it when training ends.
+    endpoint: str | None = None
+    # file: the server writes safetensors files to a folder the trainer reads (one machine, or a
+    # shared filesystem); mooncake: through a Mooncake store (two machines, no shared disk).
+    backend: Literal["file", "mooncake"] = "file"
+    request_timeout_s: float = Field(120.0, gt=0)  # one request to the server
+    max_retries: int = Field(3, ge=0)  # per request, backoff 2, 4, 8... s
+    # Whole round trips (request, load, check) retried before the sample is refused by name.
+    round_trip_retries: int = Field(1, ge=0)
+    mooncake: MooncakeParams = Field(default_factory=MooncakeParams)
+
+
 class TrainParams(_Strict):
+    # store: train reads the extract stage's store. online: vLLM computes each sample's hidden
+    # states while train runs (no training store on disk; extract keeps only what evaluate
+    # simulates on). See docs/online.md.
+    hidden_states: Literal["store", "online"] = "store"
+    online: OnlineParams = Field(default_factory=OnlineParams)
     epochs: int = Field(30, ge=1)
     lr: float = Field(3e-3, gt=0)
     scheduler: Literal["cosine", "linear", "none"] = "cosine"

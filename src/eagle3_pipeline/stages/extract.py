@@ -74,6 +74,14 @@ def write_batch(
     ]
 
 
+def online_rows(rows: dict[str, dict], keep_val: int | None) -> dict[str, dict]:
+    """Online mode's store: the val rows only, the first `keep_val` by id (None: all)."""
+    val = sorted(i for i, r in rows.items() if r["split"] == "val")[:keep_val]
+    if not val:
+        raise StoreError(f"{INPUT_DIR}/val.jsonl: no val samples: raise prepare.val_ratio")
+    return {i: rows[i] for i in val}
+
+
 def shard_batches(batches: list[list[str]], shard: tuple[int, int] | None) -> list[list[str]]:
     """Shard i of n owns batches i, i+n, i+2n, ... of the length-sorted plan of ALL samples.
 
@@ -170,11 +178,18 @@ def run(params: Params, shard: tuple[int, int] | None = None) -> None:
         for r in readers.read_jsonl(INPUT_DIR / f"{split}.jsonl")
     }
     names.check_unique(list(rows), str(INPUT_DIR))
+    if params.train.hidden_states == "online":
+        rows = online_rows(rows, params.extract.online_keep_val)
+        log(
+            STAGE,
+            f"train.hidden_states=online: storing {len(rows)} val samples only (what evaluate "
+            "simulates on); train gets the others' hidden states from vLLM while it trains",
+        )
     layout = store.StoreLayout(aux, final, hidden, params.extract.store_dtype, vf.identity(params))
     key = resume.fingerprint(
         layout.__dict__,
         vf.files_stamp(params.verifier.path),
-        params.extract.model_dump(exclude={"disk_headroom_gb"}),
+        params.extract.model_dump(exclude={"disk_headroom_gb", "online_keep_val"}),
         resume.file_sha256(INPUT_DIR / "train.jsonl"),
         resume.file_sha256(INPUT_DIR / "val.jsonl"),
     )

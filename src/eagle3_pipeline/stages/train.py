@@ -1,5 +1,9 @@
 """Stage `train`: the EAGLE-3 drafter, trained by speculators' own trainer on the store.
 
+`train.hidden_states: online` trains without a store: speculators asks a vLLM server of the
+verifier for each row's hidden states while it trains (training.online; the server is started
+here unless `train.online.endpoint` names one); the val rows extract stored are read from disk.
+
 Checkpoints live in data/.work/train/ (not a DVC output: DVC would copy them before each rerun);
 a rerun after a kill (SIGKILL included) resumes from the last complete epoch there, exactly
 (training.checkpoints), and cuts the DVCLive series back to it. `train.keep_last` bounds the
@@ -13,6 +17,8 @@ data, forwards SIGINT/SIGTERM to torchrun and copies the outputs; rank 0 alone l
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -25,6 +31,7 @@ from eagle3_pipeline.errors import ParamsError, StoreError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
 from eagle3_pipeline.store import format as store
+from eagle3_pipeline.training import online
 from eagle3_pipeline.training.checkpoints import (
     best_checkpoint,
     discard_incomplete,
@@ -37,7 +44,8 @@ from eagle3_pipeline.training.data import (
 )
 from eagle3_pipeline.training.launch import launch_torchrun, torchrun_command
 from eagle3_pipeline.training.metrics import MetricsSink, open_live, read_summary, trim_live
-from eagle3_pipeline.training.run import TrainSettings, run_training
+from eagle3_pipeline.training.online_backend import mooncake_env
+from eagle3_pipeline.training.run import TrainSettings, build_train_config, run_training
 from eagle3_pipeline.verifier import identity as vf
 
 STAGE = "train"
@@ -52,6 +60,7 @@ class TrainInputs:
     samples: list[TrainingSample]
     n_train: int
     work: Path
+    row_ids: list[str]  # sample id of each row, in the order speculators indexes them
 
     @property
     def aux(self) -> list[int]:
@@ -99,11 +108,60 @@ def run(params: Params) -> None:
     log(STAGE, f"drafter wiring: {inputs.conventions.describe()}")
     trim_live(inputs.live_dir, inputs.save_dir)
     with disk.guard(STAGE, inputs.save_dir):  # a checkpoint write that fails: OS reason, mount
-        if t.nproc > 1:
+        if t.hidden_states == "online":
+            _train_online(params, inputs)
+        elif t.nproc > 1:
             _launch(params, inputs)
         else:
             _train(params, inputs)
     _publish(params, inputs)
+
+
+def _train_online(params: Params, inputs: TrainInputs) -> None:
+    """Train with a vLLM server's hidden states, after checking it against the store."""
+    t = params.train
+    online.check_layer_order(inputs.aux, inputs.final)
+    os.environ.update(mooncake_env(t.online))  # torchrun workers inherit it
+    with online.online_source(params, [*inputs.aux, inputs.final], inputs.work) as source:
+        stored = sum(s["hidden_states_file"] is not None for s in inputs.samples)
+        online.log_plan(t.online, source, len(inputs.samples), stored)
+        flags = online.speculators_flags(t.online, source.endpoint)
+        _check_server(params, inputs, source, flags)
+        if t.nproc > 1:
+            # Workers read the server from params: the one started here, or the given one.
+            served = t.online.model_copy(update={"endpoint": source.endpoint})
+            train = t.model_copy(update={"online": served})
+            _launch(params.model_copy(update={"train": train}), inputs)
+        else:
+            _train(params, inputs, flags, source)
+
+
+def _check_server(
+    params: Params, inputs: TrainInputs, source: online.OnlineSource, flags: dict
+) -> None:
+    """The server's hidden states of the first stored row equal the store's (or refuse)."""
+    from hs_connectors.transfer import FP8Transfer
+
+    row = next((i for i, s in enumerate(inputs.samples) if s["hidden_states_file"]), None)
+    if row is None:
+        log(STAGE, "no stored row to check the server against: skipped")
+        return
+    stored = FP8Transfer(inputs.data_dir / "hidden_states").get_cached(row)
+    assert stored is not None  # write_training_data linked it
+    args = argparse.Namespace(**build_train_config(_settings(params, inputs, flags)).flatten())
+    worst = online.check_server(
+        source,
+        args,
+        inputs.samples[row]["input_ids"],
+        stored["hidden_states"],
+        inputs.row_ids[row],
+        params.verifier.path,
+    )
+    log(
+        STAGE,
+        f"server checked on sample {inputs.row_ids[row]}: largest difference from the store "
+        f"{worst:.2%} of a layer's range (accepted {online.PROBE_TOLERANCE:.0%})",
+    )
 
 
 def _inputs(params: Params) -> TrainInputs:
@@ -115,10 +173,11 @@ def _inputs(params: Params) -> TrainInputs:
     store.check_layout(manifest, aux, final, paths.HIDDEN_STATES)
     # Never train on a damaged file: DVC's hardlinked cache would not notice one changed in place.
     store.verify_hashes(paths.HIDDEN_STATES, manifest)
-    samples, n_train = _samples(manifest)
+    samples, n_train = _samples(manifest, online=t.hidden_states == "online")
+    row_ids = [r["id"] for split in ("train", "val") for r in _rows()[split]]
     key = resume.fingerprint(
         # Knobs that cannot change the weights do not restart a run.
-        t.model_dump(exclude={"log_every_steps", "num_workers", "keep_last"}),
+        t.model_dump(exclude={"log_every_steps", "num_workers", "keep_last", "online"}),
         aux,
         conventions.flags,
         conventions.layer_config,
@@ -129,34 +188,38 @@ def _inputs(params: Params) -> TrainInputs:
         # Other weights at the same path start over (stamp: names, sizes, mtimes; no hashing).
         vf.files_stamp(t.init_from) if t.init_from and Path(t.init_from).is_dir() else None,
     )
-    return TrainInputs(conventions, samples, n_train, resume.scratch_dir(STAGE, key))
+    return TrainInputs(conventions, samples, n_train, resume.scratch_dir(STAGE, key), row_ids)
 
 
-def _samples(manifest: dict) -> tuple[list[TrainingSample], int]:
-    rows = {
+def _rows() -> dict[str, list[dict]]:
+    return {
         split: readers.read_jsonl(paths.TOKENIZED / f"{split}.jsonl") for split in ("train", "val")
     }
+
+
+def _samples(manifest: dict, *, online: bool = False) -> tuple[list[TrainingSample], int]:
+    """Rows in speculators' order (it validates on the LAST rows); online mode leaves rows the
+    store lacks (all train rows, val rows beyond extract.online_keep_val) to the server."""
+    rows = _rows()
     samples: list[TrainingSample] = []
-    for split in ("train", "val"):  # speculators validates on the LAST rows
+    for split in ("train", "val"):
         for r in rows[split]:
             entry = manifest["samples"].get(r["id"])
-            if entry is None:
+            if entry is None and not online:
                 raise StoreError(f"{paths.HIDDEN_STATES}: sample {r['id']} missing: rerun extract")
             samples.append(
                 {
                     "input_ids": r["input_ids"],
                     "loss_mask": r["loss_mask"],
-                    "hidden_states_file": paths.HIDDEN_STATES / entry["file"],
+                    "hidden_states_file": paths.HIDDEN_STATES / entry["file"] if entry else None,
                 }
             )
     return samples, len(rows["train"])
 
 
-def _train(params: Params, inputs: TrainInputs) -> None:
-    """The training of one process (the only one, or one torchrun worker)."""
-    t = params.train
+def _settings(params: Params, inputs: TrainInputs, online_flags: dict | None) -> TrainSettings:
     settings = TrainSettings.from_params(
-        t,
+        params.train,
         data_dir=inputs.data_dir,
         save_dir=inputs.save_dir,
         verifier_dir=Path(params.verifier.path),
@@ -165,6 +228,27 @@ def _train(params: Params, inputs: TrainInputs) -> None:
         conventions=inputs.conventions,
         train_data_ratio=train_data_ratio_for(inputs.n_train, len(inputs.samples)),
     )
+    return dataclasses.replace(settings, online_flags=online_flags)
+
+
+def _train(
+    params: Params,
+    inputs: TrainInputs,
+    online_flags: dict | None = None,
+    source: online.OnlineSource | None = None,
+) -> None:
+    """The training of one process (the only one, or one torchrun worker)."""
+    try:
+        _train_process(params, inputs, _settings(params, inputs, online_flags))
+    except RuntimeError as exc:
+        refused = online.refusal(exc, inputs.row_ids, source) if source else None
+        if refused is None:
+            raise
+        raise refused from None
+
+
+def _train_process(params: Params, inputs: TrainInputs, settings: TrainSettings) -> None:
+    t = params.train
     if int(os.environ.get("RANK", "0")) != 0:  # only rank 0 logs metrics and writes DVCLive
         run_training(settings, on_metrics=None, on_init_line=lambda line: None)
         return
@@ -227,8 +311,13 @@ def _worker_main(argv: list[str]) -> int:
     params = Params.model_validate_json(Path(argv[1]).read_text())
     if not sys.stdout.isatty():
         os.environ.setdefault("TQDM_DISABLE", "1")
+    o = params.train.online
+    flags, source = None, None
+    if params.train.hidden_states == "online" and o.endpoint:
+        flags = online.speculators_flags(o, o.endpoint)
+        source = online.OnlineSource(o.endpoint, f"the vLLM server at {o.endpoint}")
     try:
-        _train(params, _inputs(params))
+        _train(params, _inputs(params), flags, source)
     except KeyboardInterrupt:
         return 130
     return 0

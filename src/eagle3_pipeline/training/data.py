@@ -17,11 +17,12 @@ from eagle3_pipeline.atomic import replace_dir
 
 
 class TrainingSample(TypedDict):
-    """One training row; `hidden_states_file` already exists (we link it, never copy it)."""
+    """One training row; `hidden_states_file` already exists (we link it, never copy it), or is
+    None in online mode: speculators then asks the vLLM server for that row's hidden states."""
 
     input_ids: list[int]
     loss_mask: list[int]
-    hidden_states_file: Path
+    hidden_states_file: Path | None
 
 
 def write_training_data(
@@ -43,6 +44,8 @@ def write_training_data(
         raise ValueError("write_training_data: no samples")
     layer_shape: tuple[int, ...] | None = None
     for i, sample in enumerate(samples):
+        if sample["hidden_states_file"] is None:
+            continue
         shape = _check_hidden_states_file(i, sample)
         if layer_shape is None:
             layer_shape = shape
@@ -67,6 +70,8 @@ def write_training_data(
         hs_dir = tmp / "hidden_states"
         hs_dir.mkdir()
         for i, sample in enumerate(samples):
+            if sample["hidden_states_file"] is None:
+                continue
             source = Path(sample["hidden_states_file"]).absolute()
             target = hs_dir / f"hs_{i}.safetensors"
             if link == "symlink":
@@ -90,7 +95,11 @@ def check_layer_count(data_dir: Path, target_layer_ids: list[int]) -> None:
     """Fail early when files and ids disagree (speculators fails later with a matmul error)."""
     from safetensors import safe_open
 
-    path = data_dir / "hidden_states" / "hs_0.safetensors"
+    path: Path | None = data_dir / "hidden_states" / "hs_0.safetensors"
+    if not path.exists():  # online mode leaves train rows to the server: any stored row
+        path = next((data_dir / "hidden_states").glob("hs_*.safetensors"), None)
+    if path is None:
+        return  # online mode with nothing stored: the server's files are checked as they come
     with safe_open(str(path), framework="pt") as f:
         n_layers = f.get_slice("hidden_states").get_shape()[1]
     if n_layers != len(target_layer_ids) + 1:

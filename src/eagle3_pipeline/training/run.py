@@ -31,6 +31,7 @@ from eagle3_pipeline.training.checkpoints import discard_incomplete, exact_resum
 from eagle3_pipeline.training.data import check_layer_count
 from eagle3_pipeline.training.init_from import init_from_checkpoint
 from eagle3_pipeline.training.metrics import MetricsCallback, metrics_tap
+from eagle3_pipeline.training.online_backend import split_backend_flags
 from eagle3_pipeline.training.speculators_patches import (
     StepControl,
     apply_cpu_shims,
@@ -92,6 +93,8 @@ class TrainSettings:
     fc_norm: bool = False
     norm_output: bool = True
     draft_layer_config: dict[str, Any] | None = None
+    # Online mode: speculators flags (training.online.speculators_flags) merged over the store's.
+    online_flags: dict[str, Any] | None = None
 
     @property
     def draft_config_file(self) -> Path:
@@ -277,6 +280,8 @@ def build_train_config(s: TrainSettings) -> Any:
         flags |= {"draft_arch": "llama", "num_layers": 1}
     if s.fsdp:
         flags["fsdp_shard"] = True
+    if s.online_flags:
+        flags |= s.online_flags
     if not torch.cuda.is_available():
         # Flex attention and the fused loss need a GPU.
         # fp32 on CPU: bf16 matmuls are emulated here (measured 6x slower per step).
@@ -285,7 +290,10 @@ def build_train_config(s: TrainSettings) -> Any:
             "loss_implementation": "eager",
             "hidden_states_dtype": "float32",
         }
-    return TrainConfig.from_sources(cli=flags, argv=_as_argv(flags))
+    # A backend's own flags (mooncake_*) bypass speculators' schema: in `cli` they would be
+    # dropped without a word (online_backend.split_backend_flags).
+    cli, backend_cli = split_backend_flags(flags)
+    return TrainConfig.from_sources(cli=cli, backend_cli=backend_cli, argv=_as_argv(flags))
 
 
 def _as_argv(flags: dict[str, Any]) -> list[str]:

@@ -27,6 +27,8 @@ NOT_SETTINGS = {
     "strategy": "fsdp",
     "init_mismatch": "drafter.conventions (refuses or allows; the settings get its result)",
     "flags": "drafter.conventions -> the four flag fields (test_settings_carry_conventions)",
+    "hidden_states": "the stage: online -> online_flags (test_online_flags_reach_speculators)",
+    "online": "training.online.speculators_flags -> online_flags",
 }
 RENAMED = {"max_tokens_per_batch": "total_seq_len"}
 # A value unlike the default for each carried field, so a forgotten one shows.
@@ -182,3 +184,23 @@ def test_signal_raises_training_interrupted(inputs: dict[str, Any], tmp_path: Pa
     assert (tmp_path / "ckpt" / "interrupted" / "model.safetensors").is_file()
     assert not (tmp_path / "ckpt" / "0").exists()
     assert signal.getsignal(signal.SIGINT) is before  # restored
+
+
+def test_online_flags_reach_speculators(tmp_path: Path) -> None:
+    """Online mode's flags, the Mooncake backend's included, reach speculators' config; without
+    split_backend_flags its schema drops mooncake_* silently and uses 127.0.0.1:50051."""
+    from eagle3_pipeline.params import OnlineParams
+    from eagle3_pipeline.training.online import speculators_flags
+
+    online = OnlineParams(backend="mooncake", request_timeout_s=7, max_retries=2)
+    online.mooncake.master = "10.1.2.3:50099"
+    flags = speculators_flags(online, "http://10.1.2.4:8000/v1")
+    settings = dataclasses.replace(_settings_from(TrainParams()), online_flags=flags)
+    cfg = build_train_config(settings).flatten()
+    assert cfg["on_missing"] == "generate" and cfg["vllm_endpoint"] == "http://10.1.2.4:8000/v1"
+    assert cfg["hidden_states_backend"] == "mooncake"
+    assert cfg["mooncake_master"] == "10.1.2.3:50099"
+    assert cfg["request_timeout"] == 7 and cfg["max_retries"] == 2
+    assert cfg["max_consecutive_generation_failures"] == 1  # a refused sample stops the run
+    store = build_train_config(_settings_from(TrainParams())).flatten()
+    assert store["on_missing"] == "raise" and store["hidden_states_backend"] == "fp8"

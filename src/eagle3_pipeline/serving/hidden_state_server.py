@@ -1,0 +1,63 @@
+"""The verifier served by vLLM with `extract_hidden_states`: what online training asks.
+
+The same engine settings as extract's in-process engine (serving/hidden_states.py): the
+verifier's own dtype, layer ids in vLLM's ascending order, prefix caching off (a cached prefix is
+not recomputed, so its hidden states would be missing) and our connector, which writes one
+safetensors file per request to `storage_dir` and reports the file in the response's
+`kv_transfer_params`. speculators' online dataloader sends each sample's token ids with
+`max_tokens=1` and reads that file back (hs_connectors' `file` backend).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_pipeline.params import Params
+from eagle3_pipeline.serving.hidden_states import check_layer_ids, engine_dtype, vllm_layer_order
+from eagle3_pipeline.serving.server import ServerSpec
+from eagle3_pipeline.serving.server_spec import verifier_spec
+from eagle3_pipeline.verifier import identity as vf
+
+# serving/cpu_hs_connector.py, named without importing it (it imports vLLM).
+CONNECTOR_MODULE = "eagle3_pipeline.serving.cpu_hs_connector"
+CPU_CONNECTOR = "CPUHiddenStatesConnector"
+GPU_CONNECTOR = "ReportingHiddenStatesConnector"
+
+
+def kv_transfer_config(storage_dir: Path) -> dict[str, Any]:
+    """Our connector writing to `storage_dir` (on GPU the stock one that reports failed writes;
+    on CPU the variant without pinned memory)."""
+    return {
+        "kv_role": "kv_producer",
+        "kv_connector": GPU_CONNECTOR if torch.cuda.is_available() else CPU_CONNECTOR,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_connector_extra_config": {"shared_storage_path": str(storage_dir.resolve())},
+    }
+
+
+def hidden_state_spec(
+    params: Params, layer_ids: list[int], storage_dir: Path, log_file: Path
+) -> ServerSpec:
+    """A server returning [seq, len(layer_ids), hidden] per request, layers in ascending order."""
+    config = vf.read_config(params.verifier.path)
+    check_layer_ids(config, layer_ids)
+    ordered, _ = vllm_layer_order(layer_ids)
+    spec = verifier_spec(params, log_file, dtype=engine_dtype(config))
+    # speculators' online dataloader asks for the model by the trainer's verifier path.
+    spec.served_model_name = params.verifier.path
+    spec.speculative_config = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ordered}},
+    }
+    spec.extra_args = [
+        *spec.extra_args,
+        "--no-enable-prefix-caching",
+        "--kv-transfer-config",
+        json.dumps(kv_transfer_config(storage_dir)),
+    ]
+    return spec
