@@ -125,7 +125,16 @@ def _agreement(
         worst = diff if worst is None else [max(x, y) for x, y in zip(worst, diff, strict=True)]
         differ += int((served.to(stored.dtype) != stored).sum())
         values += stored.numel()
+    # Exact resume needs the same bits for the same sample on every request.
+    repeats = []
+    for _ in range(2):
+        handle, params = generate_hidden_states(
+            client, args.verifier_name_or_path, {"input_ids": samples[0]["input_ids"]}, timeout=120
+        )
+        repeats.append(transfer.get_generated(params)["hidden_states"])
+        transfer.delete(handle)
     return {
+        "same_bits_on_repeat": bool((repeats[0] == repeats[1]).all()),
         "max_abs_diff_per_layer": [round(x, 6) for x in worst or []],
         "values_differing_after_bf16_rounding": differ,
         "values": values,
@@ -208,7 +217,8 @@ def main(argv: list[str]) -> int:
     print(
         f"server vs store on {len(val_only) - n_train} val rows: largest |diff| per layer "
         f"{agreement['max_abs_diff_per_layer']}; values differing after rounding the server's to "
-        f"bf16: {agreement['values_differing_after_bf16_rounding']} of {agreement['values']:,}"
+        f"bf16: {agreement['values_differing_after_bf16_rounding']} of {agreement['values']:,}; "
+        f"same bits when asked twice: {agreement['same_bits_on_repeat']}"
     )
     atomic.write_json(RESULTS, result)
     return 0

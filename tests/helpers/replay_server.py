@@ -46,6 +46,7 @@ class ReplayServer:
         self.model_id = model_id  # speculators asks for the trainer's verifier path
         self.model_root = model_root
         self.requests = 0
+        self.asked: list[tuple[int, ...]] = []  # token ids of each request, in order
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -70,6 +71,7 @@ class ReplayServer:
         ids = [int(t) for t in body["prompt"]]
         with self._lock:
             self.requests += 1
+            self.asked.append(tuple(ids))
             n = next(self._ids)
             faulty = self.fault is not None and self.requests > self.fault_after
         hidden = self.states[tuple(ids)].clone()
@@ -77,7 +79,7 @@ class ReplayServer:
         if faulty and self.fault == "other_model":
             hidden = hidden * 1.5 + 0.25
         if faulty and self.fault == "fewer_layers":
-            hidden = hidden[:, 1:]
+            hidden = hidden[:, 1:].contiguous()
         if faulty and self.fault == "nan":
             hidden[len(ids) // 2, 0, 0] = float("nan")
         if not (faulty and self.fault == "missing"):

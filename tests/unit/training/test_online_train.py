@@ -219,3 +219,22 @@ def test_sigkill_mid_epoch_resumes_exactly(
     a, b = _weights(online_run[0]), _weights(root)
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_two_processes_share_the_rows_online(tmp_path: Path, tiny_verifier_dir: Path) -> None:
+    """torchrun ranks each ask the server for their own rows: every train row once per epoch."""
+    root = build_workspace(
+        tmp_path / "ws", tiny_verifier_dir, n_train=16, train=TRAIN | {"nproc": 2}
+    )
+    with ReplayServer(_states(root), root / "served", str(tiny_verifier_dir)) as server:
+        _go_online(root, server.url)
+        out = run_stage(root)
+    assert "launching 2 processes (ddp): torchrun" in out
+    train_ids = {
+        tuple(json.loads(line)["input_ids"])
+        for line in (root / "data/tokenized/train.jsonl").read_text().splitlines()
+    }
+    asked = server.asked[1:]  # after the pre-flight probe
+    assert set(asked) == train_ids  # every train row asked, by one rank or the other
+    assert len(asked) <= TRAIN["epochs"] * (len(train_ids) + 2), len(asked)
+    assert (root / "models/trained/final/model.safetensors").is_file()
