@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,57 @@ sys.path.insert(0, str(REPO / "tests/helpers"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One vLLM cache for every server and engine the tests start, in this checkout's scratch folder
+# (where a server started from the repo root keeps it): vLLM inspects each model architecture
+# once (a subprocess importing torch and vLLM, ~18 s on 2 cores) and reuses the result after,
+# instead of once in every temp workspace and every pipeline copy.
+os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO / "data/.work/vllm-cache"))
+# Torch's OpenMP threads sleep, not spin, while they wait at a barrier; the same threads split the
+# same work, so results do not change. Spinning threads of the tiny models' many small ops starve
+# every other busy process on 2 cores, and themselves with it: building the e2e verifier (150
+# steps) took 200 s instead of 32 s, same bytes, while other tests ran on the machine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+from own_verifier_runs import own_run, thinker_run  # noqa: E402
+from pipeline_repo import LANE, TINY_RUN, Run, tiny_pipeline  # noqa: E402
 from verifiers import build_tiny_dsv3_verifier, build_tiny_verifier  # noqa: E402
+
+# The pipeline runs the session shares (tests/e2e): the helper a test module imports to wait for
+# one, and the run, in the order the background lane does them (the main DAG first: the tests of
+# its modules take longest after it).
+SHARED_RUNS: list[tuple[Callable, Callable[[pytest.TempPathFactory], Run]]] = [
+    (tiny_pipeline, lambda tmp_path_factory: TINY_RUN),
+    (thinker_run, thinker_run),
+    (own_run, own_run),
+]
+
+
+def _runs(item: pytest.Item) -> set[int]:
+    """The shared runs (indices of SHARED_RUNS) the test's module asks for."""
+    module = getattr(item, "module", None)
+    return {i for i, (f, _) in enumerate(SHARED_RUNS) if getattr(module, f.__name__, None) is f}
+
+
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection: only the selected tests count
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules that wait for a shared pipeline run go last, in the lane's order, so that the
+    runs (started with the session, one after another) go on beside the other tests."""
+    position = {item.path: min(_runs(item)) for item in items if _runs(item)}
+    items.sort(key=lambda item: (item.path in position, position.get(item.path, 0)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pipeline_runs_in_background(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """Start the shared pipeline runs that the selected tests' modules wait for, in a background
+    lane (pipeline_repo.Lane); end whatever is still running when the session ends."""
+    needed = set().union(*(_runs(item) for item in request.session.items))
+    if needed:
+        LANE.start(tmp_path_factory, [SHARED_RUNS[i][1](tmp_path_factory) for i in sorted(needed)])
+    yield
+    LANE.stop()  # also a run that only a deselected or never reached test needed
 
 
 @pytest.fixture(scope="session")

@@ -12,34 +12,30 @@ import sys
 from pathlib import Path
 
 import pytest
-from offline_hub import MESSAGE, UNREACHABLE_HUB_ID, sitecustomize_dir
-from pipeline_repo import SMALL, make_repo, repo_env, run_in, session_run
-from templates import CHATML_DEFAULT_SYSTEM, KIMI_MODEL_OPENS_THINK
-from verifiers import build_pretrained_like
+from offline_hub import MESSAGE, UNREACHABLE_HUB_ID
+from own_verifier_runs import downloads, hubless_site, own_run, thinker_run
+from pipeline_repo import repo_env, run_in, session_run
 
 pytestmark = pytest.mark.slow
-TINY = SMALL["verifier"]["tiny"]
-
-
-def _own_params(verifier: Path, **generate: object) -> dict:
-    return SMALL | {
-        "verifier": {"source": "pretrained", "path": str(verifier), "name": UNREACHABLE_HUB_ID},
-        "generate": SMALL["generate"] | generate,
-    }
 
 
 @pytest.fixture(scope="module")
 def hubless(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return sitecustomize_dir(tmp_path_factory.mktemp("hubless"))
+    return hubless_site(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def own(tmp_path_factory: pytest.TempPathFactory, hubless: Path) -> tuple[Path, Path]:
+def own(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The whole DAG, online evaluation included, on a ChatML model with a default system prompt."""
-    verifier = tmp_path_factory.mktemp("downloads") / "models" / "tiny-chatml"
-    build_pretrained_like(verifier, CHATML_DEFAULT_SYSTEM, **TINY)
-    params = _own_params(verifier, reasoning_parser=None)
-    return session_run(tmp_path_factory, "own-verifier", params, site=hubless), verifier
+    repo = session_run(tmp_path_factory, own_run(tmp_path_factory))
+    return repo, downloads(tmp_path_factory)["chatml"]
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The DAG up to tokenize on a model whose generation prompt leaves `<think>` to it."""
+    repo = session_run(tmp_path_factory, thinker_run(tmp_path_factory))
+    return repo, downloads(tmp_path_factory)["thinker"]
 
 
 def test_the_guard_is_live(hubless: Path, tmp_path: Path) -> None:
@@ -85,20 +81,12 @@ def test_prompts_carry_the_templates_default_system_prompt(own: tuple[Path, Path
     assert gen["reasoning"] is None  # no reasoning parser: the whole reply is the answer
 
 
-def test_model_that_opens_its_own_reasoning(
-    tmp_path_factory: pytest.TempPathFactory, hubless: Path
-) -> None:
+def test_model_that_opens_its_own_reasoning(thinker: tuple[Path, Path]) -> None:
     """The generation prompt stops before `<think>`; the model writes it, the parser strips it,
     and tokenize puts it back: the training sequence is the one the model produced."""
     from transformers import AutoTokenizer
 
-    verifier = tmp_path_factory.mktemp("downloads") / "models" / "tiny-thinker"
-    build_pretrained_like(verifier, KIMI_MODEL_OPENS_THINK, **TINY)
-    params = _own_params(verifier, reasoning_parser="deepseek_r1")
-    repo = tmp_path_factory.getbasetemp() / "own-thinker"
-    repo.mkdir()
-    make_repo(repo, params)
-    run_in(repo, "dvc", "repro", "tokenize", site=hubless)
+    repo, verifier = thinker
     tok = AutoTokenizer.from_pretrained(str(verifier))
     think = tok.convert_tokens_to_ids("<think>")
     generated = {

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -88,15 +94,32 @@ def commit(repo: Path, message: str) -> str:
     return run_in(repo, "git", "rev-parse", "HEAD").strip()
 
 
-def session_run(
-    tmp_path_factory: pytest.TempPathFactory, name: str, overrides: dict, site: Path | None = None
-) -> Path:
-    """The pipeline run once per test session, shared by every module that asks for `name`.
+@dataclass(frozen=True)
+class Run:
+    """A pipeline run the session shares: a fresh copy of the repo with params shrunk by
+    `overrides`, then `dvc repro [targets]`. `setup`: a command that makes what the params point
+    at (a verifier folder) first; `site`: a folder first on every process's PYTHONPATH."""
 
-    Module fixtures of different files are separate objects; the session's base temp folder and
-    a marker written after a successful `dvc repro` make them share one run.
-    """
-    repo = tmp_path_factory.getbasetemp() / name / "repo"
+    name: str
+    overrides: dict
+    targets: tuple[str, ...] = ()
+    site: Path | None = None
+    setup: tuple[str, ...] = ()
+
+
+def run_repo(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """Where the session's run `name` lives: one folder per session, whoever runs it."""
+    return tmp_path_factory.getbasetemp() / name / "repo"
+
+
+def execute(
+    tmp_path_factory: pytest.TempPathFactory,
+    run: Run,
+    started: Callable[[subprocess.Popen], None] = lambda proc: None,
+) -> Path:
+    """`run`, unless this session did it already (a marker written after a successful `dvc
+    repro`); its repo. `started` is told of every process it starts."""
+    repo = run_repo(tmp_path_factory, run.name)
     done = repo.parent / "repro-done"
     if done.is_file():
         return repo
@@ -104,17 +127,117 @@ def session_run(
         shutil.rmtree(repo.parent)
     # For iterating on the slow tests: EAGLE3_E2E_REUSE=<dir> copies a finished <dir>/<name>/
     # (a previous session's basetemp) instead of running the DAG again; the copy keeps its links.
-    reuse = Path(os.environ.get("EAGLE3_E2E_REUSE", "/nonexistent")) / name
+    reuse = Path(os.environ.get("EAGLE3_E2E_REUSE", "/nonexistent")) / run.name
     if (reuse / "repro-done").is_file():
         subprocess.run(["cp", "-a", str(reuse), str(repo.parent)], check=True)
         return repo
     repo.mkdir(parents=True)
-    make_repo(repo, overrides)
-    run_in(repo, "dvc", "repro", site=site)
+    log = repo.parent / "repro.log"
+    steps = {"its setup": list(run.setup)} if run.setup else {}
+    steps["dvc repro"] = ["dvc", "repro", *run.targets]
+    with open(log, "w") as out:
+        for what, cmd in steps.items():
+            if what == "dvc repro":  # after the setup: the repo copy, then the DAG
+                make_repo(repo, run.overrides)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=repo,
+                env=repo_env(repo, run.site),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own group: Lane.stop ends all of it
+            )
+            started(proc)
+            code = proc.wait()
+            assert code == 0, f"run {run.name}: {what} failed:\n{log.read_text()[-6000:]}"
     done.write_text("ok\n")
     return repo
 
 
+class Lane:
+    """Runs done one after another in a background thread, while the session's other tests run
+    (tests/conftest.py starts it). A run is mostly single-threaded imports and vLLM start-ups: on
+    2 cores it and the tests in the foreground each have one. One run at a time bounds memory
+    (at most the two vLLM servers of `evaluate`)."""
+
+    def __init__(self) -> None:
+        self._queued: dict[str, threading.Event] = {}
+        self._failed: dict[str, str] = {}
+        self._proc: subprocess.Popen | None = None
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def start(self, tmp_path_factory: pytest.TempPathFactory, runs: list[Run]) -> None:
+        self._queued = {run.name: threading.Event() for run in runs}
+        atexit.register(self.stop)  # also when the session never reaches its own teardown
+        self._thread = threading.Thread(
+            target=self._work, args=(tmp_path_factory, runs), name="pipeline-runs", daemon=True
+        )
+        self._thread.start()
+
+    def _work(self, tmp_path_factory: pytest.TempPathFactory, runs: list[Run]) -> None:
+        for run in runs:
+            try:
+                if self._stopping:
+                    raise RuntimeError("the session ended first")
+                execute(tmp_path_factory, run, self._started)
+            except BaseException as e:  # noqa: BLE001 - the test that waits for it reports it
+                self._failed[run.name] = str(e)
+            self._queued[run.name].set()
+
+    def _started(self, proc: subprocess.Popen) -> None:
+        self._proc = proc
+        if self._stopping:  # stop() ran between the check and the start
+            self._end(proc, 0.0)
+
+    def wait(self, name: str) -> bool:
+        """Whether `name` is this lane's; if so, once it is done (its failure raised here)."""
+        event = self._queued.get(name)
+        if event is None:
+            return False
+        event.wait()
+        if name in self._failed:
+            raise AssertionError(f"pipeline run {name} failed: {self._failed[name]}")
+        return True
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """End the run in progress, if any (a session that ends early) and start no other:
+        SIGTERM to its process group (a stage then stops its vLLM servers), SIGKILL after
+        `grace_s`."""
+        self._stopping = True
+        if self._proc is not None:
+            self._end(self._proc, grace_s)
+        if self._thread is not None:
+            self._thread.join()
+
+    @staticmethod
+    def _end(proc: subprocess.Popen, grace_s: float) -> None:
+        if proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+LANE = Lane()
+
+
+def session_run(tmp_path_factory: pytest.TempPathFactory, run: Run) -> Path:
+    """The session's `run` (its repo): waited for when the background lane has it, done here
+    otherwise. Module fixtures of different files share it (one folder per session)."""
+    if LANE.wait(run.name):
+        return run_repo(tmp_path_factory, run.name)
+    return execute(tmp_path_factory, run)
+
+
+TINY_RUN = Run("e2e", SMALL)
+
+
 def tiny_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shrunken default pipeline (vLLM backends, online evaluation) run by `dvc repro`."""
-    return session_run(tmp_path_factory, "e2e", SMALL)
+    return session_run(tmp_path_factory, TINY_RUN)

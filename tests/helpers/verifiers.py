@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,10 +67,23 @@ def build_pretrained_like(out: Path, template: str, **tiny: object) -> Path:
     pipeline did not write (tests/helpers/templates.py), no `<think>` in the prompt unless the
     template puts it there. Trained as the tiny profiles' verifier is, so its answers carry a
     signal; then only the template changes, as `save_pretrained` writes it."""
+    build_tiny_verifier(out, **({"tie_word_embeddings": True} | tiny))
+    _set_template(out, template)
+    return out
+
+
+def retemplated(model: Path, out: Path, template: str) -> Path:
+    """A copy of the model folder `model` under another chat template: the same weights, as a
+    second download of one model with a different template would be."""
+    shutil.copytree(model, out)
+    _set_template(out, template)
+    return out
+
+
+def _set_template(model: Path, template: str) -> None:
+    """Only the template changes, as `save_pretrained` writes it."""
     from transformers import AutoTokenizer
 
-    build_tiny_verifier(out, **({"tie_word_embeddings": True} | tiny))
-    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
     tokenizer.chat_template = template
-    tokenizer.save_pretrained(str(out))
-    return out
+    tokenizer.save_pretrained(str(model))

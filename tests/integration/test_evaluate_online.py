@@ -1,10 +1,12 @@
 """Online evaluation against real vLLM servers (the stage's glue without vLLM:
 tests/unit/stages/test_evaluate.py).
 
-The tests start three servers, once each per module (~40-90 s apiece on 2 cores): a const
-pair that must accept every draft, and an untrained drafter with and without speculation, which
-must accept almost nothing and must not change the greedy output. Each server is stopped before
-its fixture returns, so the last test can check that none of their processes survived.
+The module starts three servers at once (~40-90 s apiece on 2 cores; start-up is mostly
+single-threaded imports, so together they take far less than in turn): a const pair that must
+accept every draft, and an untrained drafter with and without speculation, which must accept
+almost nothing and must not change the greedy output. They are measured one at a time and
+stopped before the fixture returns, so the last test can check that none of their processes
+survived.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from verifiers import build_tiny_verifier
 
 from eagle3_pipeline.evaluation import online as oe
-from eagle3_pipeline.serving.server import ServerSpec, serve
+from eagle3_pipeline.serving.server import ServerSpec, serve_many
 
 REPO = Path(__file__).resolve().parents[2]
 K = 3
@@ -142,44 +144,52 @@ def _server_pgid(url: str) -> int:
     raise AssertionError(f"no vLLM api_server process found for {url}")
 
 
-def recording_runner(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
-    """oe.serve_and_measure, noting the server's process group for the leak check."""
-    with serve(spec) as url:
-        pgid = _server_pgid(url)
-        STARTED[pgid] = _group_members({pgid})
-        return oe.measure(url, conversations, settings)
-
-
 def _base_spec(verifier: Path, logs: Path) -> ServerSpec:
     return ServerSpec(model=str(verifier), log_file=logs / "vllm.log", ready_timeout_s=900.0)
 
 
 @pytest.fixture(scope="module")
-def const_run(models: dict) -> oe.RunResult:
-    _, spec = oe.server_specs(
-        _base_spec(models["const_verifier"], models["logs"]),
-        models["const_drafter"],
-        K,
-        models["logs"] / "const",
+def runs(models: dict) -> dict[str, Any]:
+    """Every run of the module. The three servers start at once (start-up is mostly
+    single-threaded imports; the stage starts its two so on CPU) and are measured one at a
+    time; each one's process group is noted for the leak check. All are stopped when this
+    returns."""
+    logs = models["logs"]
+    _, const_spec = oe.server_specs(
+        _base_spec(models["const_verifier"], logs), models["const_drafter"], K, logs / "const"
     )
-    return recording_runner(spec, CONVERSATIONS, SETTINGS)
+    base = _base_spec(models["verifier"], logs)
+    baseline_spec, eagle_spec = oe.server_specs(base, models["drafter"], K, logs / "random")
+    with serve_many([const_spec, baseline_spec, eagle_spec]) as urls:
+        for url in urls:
+            pgid = _server_pgid(url)
+            STARTED[pgid] = _group_members({pgid})
+        const_url, baseline_url, eagle_url = urls
+        const = oe.measure(const_url, CONVERSATIONS, SETTINGS)
+        measured: dict[str, oe.RunResult] = {}
+
+        def runner(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+            """evaluate's two runs, on the servers started for exactly the specs it asks for."""
+            name = "spec" if spec.speculative_config else "baseline"
+            assert spec == {"spec": eagle_spec, "baseline": baseline_spec}[name], spec
+            url = eagle_url if name == "spec" else baseline_url
+            measured[name] = result = oe.measure(url, conversations, settings)
+            return result
+
+        section, differing, verdict = oe.evaluate(
+            base, models["drafter"], CONVERSATIONS, SETTINGS, logs / "random", runner
+        )
+    return {"const": const, "random": (section, differing, measured, verdict)}
 
 
 @pytest.fixture(scope="module")
-def random_eval(models: dict) -> tuple[dict[str, Any], list[int], dict[str, oe.RunResult], Any]:
-    runs: dict[str, oe.RunResult] = {}
+def const_run(runs: dict) -> oe.RunResult:
+    return runs["const"]
 
-    def runner(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
-        runs["spec" if spec.speculative_config else "baseline"] = result = recording_runner(
-            spec, conversations, settings
-        )
-        return result
 
-    base = _base_spec(models["verifier"], models["logs"])
-    section, differing, verdict = oe.evaluate(
-        base, models["drafter"], CONVERSATIONS, SETTINGS, models["logs"] / "random", runner
-    )
-    return section, differing, runs, verdict
+@pytest.fixture(scope="module")
+def random_eval(runs: dict) -> tuple[dict[str, Any], list[int], dict[str, oe.RunResult], Any]:
+    return runs["random"]
 
 
 @pytest.mark.vllm

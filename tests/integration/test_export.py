@@ -27,7 +27,7 @@ VLLM_SCRIPT = textwrap.dedent(
              "vllm:spec_decode_num_accepted_tokens",
              "vllm:spec_decode_num_accepted_tokens_per_pos")
     result = {}
-    for drafter in [None, *drafters]:
+    for drafter in [None, *drafters]:  # one process: vLLM is imported once for all of them
         spec = None if drafter is None else {
             "method": "eagle3", "model": drafter, "num_speculative_tokens": NUM_SPEC}
         llm = LLM(model=verifier, dtype="float32", enforce_eager=True, max_model_len=256,
@@ -47,21 +47,32 @@ VLLM_SCRIPT = textwrap.dedent(
 ).replace("NUM_SPEC", str(K))
 
 
-def serve_both_exports(verifier: Path, tmp_path: Path) -> dict:
-    """vLLM in one subprocess: the baseline, then tmp_path/spec and tmp_path/flat as drafters.
-    Asserts greedy outputs equal the baseline's and both exports draft identically; returns the
-    speculators export's run."""
-    env = dict(os.environ)
-    env |= {
+EXPORTS = {  # the two wirings, each exported in both formats
+    "speculators": {},
+    "specforge": SPECFORGE_FLAGS,
+}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """vLLM in one subprocess, one in-process engine at a time: the baseline, then each wiring's
+    speculators and flat exports as drafters. {wiring: {format: run}} and the baseline's run."""
+    tmp = tmp_path_factory.mktemp("exports")
+    drafters = {}
+    for wiring, flags in EXPORTS.items():
+        root = make_repo(tmp / wiring / "repo", tiny_verifier_dir, legacy=wiring == "specforge")
+        for fmt in ("speculators", "flat"):
+            run_export(root, params(fmt, flags=flags))
+            drafters[wiring, fmt] = shutil.copytree(root / "models/drafter", tmp / wiring / fmt)
+    env = dict(os.environ) | {
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
         "VLLM_NO_USAGE_STATS": "1",
     }
-    out = tmp_path / "result.json"
+    out = tmp / "result.json"
     proc = subprocess.run(
-        [sys.executable, "-c", VLLM_SCRIPT, str(verifier), str(out)]
-        + [str(tmp_path / "spec"), str(tmp_path / "flat")],
+        [sys.executable, "-c", VLLM_SCRIPT, str(tiny_verifier_dir), str(out)]
+        + [str(d) for d in drafters.values()],
         env=env,
         capture_output=True,
         text=True,
@@ -69,26 +80,28 @@ def serve_both_exports(verifier: Path, tmp_path: Path) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    baseline = result.pop("baseline")
-    spec, flat = result[str(tmp_path / "spec")], result[str(tmp_path / "flat")]
+    runs = {wiring: {} for wiring in EXPORTS}
+    for (wiring, fmt), drafter in drafters.items():
+        runs[wiring][fmt] = result[str(drafter)]
+    return runs | {"baseline": result["baseline"]}
+
+
+def check_both_formats(served: dict, wiring: str) -> dict:
+    """Greedy outputs equal the baseline's and both exports draft identically; returns the
+    speculators export's run."""
+    spec, flat = served[wiring]["speculators"], served[wiring]["flat"]
+    baseline = served["baseline"]
     assert spec["tokens"] == baseline["tokens"] and flat["tokens"] == baseline["tokens"]
     assert flat["counters"] == spec["counters"]
     return spec
 
 
 @pytest.mark.vllm
-def test_vllm_serves_flat_export_like_speculators_export(
-    tiny_verifier_dir: Path, tmp_path: Path
-) -> None:
-    """One process, one in-process engine at a time: baseline, speculators export, flat export.
-    Greedy outputs equal the baseline's, and the spec-decode counters of the two exports of the
-    same weights are equal (so vLLM computes the same drafter from both)."""
-    root = make_repo(tmp_path / "repo", tiny_verifier_dir)
-    run_export(root, params("speculators"))
-    shutil.copytree(root / "models/drafter", tmp_path / "spec")
-    run_export(root, params("flat"))
-    shutil.copytree(root / "models/drafter", tmp_path / "flat")
-    spec = serve_both_exports(tiny_verifier_dir, tmp_path)
+def test_vllm_serves_flat_export_like_speculators_export(served: dict) -> None:
+    """Baseline, speculators export, flat export: greedy outputs equal the baseline's, and the
+    spec-decode counters of the two exports of the same weights are equal (so vLLM computes the
+    same drafter from both)."""
+    spec = check_both_formats(served, "speculators")
     accepted = spec["counters"]["vllm:spec_decode_num_accepted_tokens"][0]
     drafts = spec["counters"]["vllm:spec_decode_num_drafts"][0]
     assert drafts > 0
@@ -96,13 +109,8 @@ def test_vllm_serves_flat_export_like_speculators_export(
 
 
 @pytest.mark.vllm
-def test_vllm_serves_specforge_wired_export(tiny_verifier_dir: Path, tmp_path: Path) -> None:
+def test_vllm_serves_specforge_wired_export(served: dict) -> None:
     """The flags a SpecForge checkpoint carries (all false) survive export and vLLM 0.32 loads
     them: greedy outputs equal the baseline's, and both formats draft identically."""
-    root = make_repo(tmp_path / "repo", tiny_verifier_dir, legacy=True)
-    run_export(root, params("speculators", flags=SPECFORGE_FLAGS))
-    shutil.copytree(root / "models/drafter", tmp_path / "spec")
-    run_export(root, params("flat", flags=SPECFORGE_FLAGS))
-    shutil.copytree(root / "models/drafter", tmp_path / "flat")
-    spec = serve_both_exports(tiny_verifier_dir, tmp_path)
+    spec = check_both_formats(served, "specforge")
     assert spec["counters"]["vllm:spec_decode_num_drafts"][0] > 0

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from eagle3_pipeline.evaluation import offline
 from eagle3_pipeline.evaluation import online as oe
 from eagle3_pipeline.params import Params
-from eagle3_pipeline.serving.server import ServerSpec
+from eagle3_pipeline.serving.server import ServerSpec, serve_many
 from eagle3_pipeline.stages import evaluate
 from eagle3_pipeline.verifier import tiny as verifier_stage
 
@@ -151,6 +151,8 @@ def _offline_mal(verifier: Path, model, runs: oe.RunResult) -> dict:
 
 @pytest.fixture(scope="module")
 def served(verifier: Path, drafters: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The baseline and both drafters' servers, started at once (start-up is mostly
+    single-threaded imports) and measured one at a time."""
     logs = tmp_path_factory.mktemp("logs")
     base = ServerSpec(
         model=str(verifier),
@@ -159,19 +161,23 @@ def served(verifier: Path, drafters: dict, tmp_path_factory: pytest.TempPathFact
         language_model_only=True,
         extra_args=["--attention-backend", "CPU_MLA"],
     )
-    runs: dict[str, oe.RunResult] = {}
-
-    def runner(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
-        runs["spec" if spec.speculative_config else "baseline"] = run = oe.serve_and_measure(
-            spec, conversations, settings
-        )
-        return run
-
-    right, _, right_verdict = oe.evaluate(
-        base, drafters["right"], CONVERSATIONS, SETTINGS, logs / "right", runner
-    )
+    baseline_spec, right_spec = oe.server_specs(base, drafters["right"], K, logs / "right")
     _, shifted_spec = oe.server_specs(base, drafters["shifted"], K, logs / "shifted")
-    shifted_run = oe.serve_and_measure(shifted_spec, CONVERSATIONS, SETTINGS)
+    runs: dict[str, oe.RunResult] = {}
+    with serve_many([baseline_spec, right_spec, shifted_spec]) as urls:
+        url = dict(zip(("baseline", "right", "shifted"), urls, strict=True))
+
+        def runner(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+            """evaluate's two runs, on the servers started for exactly the specs it asks for."""
+            name = "right" if spec.speculative_config else "baseline"
+            assert spec == {"right": right_spec, "baseline": baseline_spec}[name], spec
+            runs[name] = run = oe.measure(url[name], conversations, settings)
+            return run
+
+        right, _, right_verdict = oe.evaluate(
+            base, drafters["right"], CONVERSATIONS, SETTINGS, logs / "right", runner
+        )
+        shifted_run = oe.measure(url["shifted"], CONVERSATIONS, SETTINGS)
     return {
         "right": right,
         "right_verdict": right_verdict,
