@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import csv
 import shutil
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_workspace import build_workspace, checkpoints, run_stage, stage_command, stage_env
+from train_workspace import build_workspace, checkpoints, kill_during_epoch_2, run_stage
 
 from eagle3_pipeline.training import checkpoints as ck
 
@@ -35,32 +33,6 @@ def _series(root: Path, name: str) -> list[tuple[str, str]]:
     return [(r["step"], r[key]) for r in rows]
 
 
-def _kill_during_epoch_2(root: Path) -> None:
-    marker = checkpoints(root) / "0" / ck.COMPLETE_MARKER
-    proc = subprocess.Popen(
-        stage_command(),
-        cwd=root,
-        env=stage_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("[train] epoch 1 step"):  # a step of epoch 2 is done
-                assert marker.is_file(), "epoch 1 logged steps before its marker existed"
-                proc.send_signal(signal.SIGKILL)
-                break
-        else:
-            pytest.fail("the run ended before epoch 2 started")
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    assert not (checkpoints(root) / "1").exists()
-
-
 def test_sigkill_mid_epoch_then_rerun_equals_uninterrupted(
     tiny_verifier_dir: Path, tmp_path: Path
 ) -> None:
@@ -68,7 +40,7 @@ def test_sigkill_mid_epoch_then_rerun_equals_uninterrupted(
     run_stage(whole)
 
     killed = build_workspace(tmp_path / "killed", tiny_verifier_dir, n_train=16, train=TRAIN)
-    _kill_during_epoch_2(killed)
+    kill_during_epoch_2(killed)
     # What a kill while epoch 2 was being saved leaves: files, no marker.
     half = checkpoints(killed) / str(LAST)
     shutil.copytree(checkpoints(killed) / "0", half)

@@ -118,6 +118,39 @@ def checkpoints(root: Path) -> Path:
     return root / "data/.work/train/checkpoints"
 
 
+def kill_during_epoch_2(root: Path) -> None:
+    """Start `eagle3 train` in `root`; SIGKILL it once a step of epoch 2 (index 1) is logged,
+    after checking epoch 1's completion marker exists."""
+    import signal
+
+    import pytest
+
+    from eagle3_pipeline.training import checkpoints as ck
+
+    marker = checkpoints(root) / "0" / ck.COMPLETE_MARKER
+    proc = subprocess.Popen(
+        stage_command(),
+        cwd=root,
+        env=stage_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("[train] epoch 1 step"):  # a step of epoch 2 is done
+                assert marker.is_file(), "epoch 1 logged steps before its marker existed"
+                proc.send_signal(signal.SIGKILL)
+                break
+        else:
+            pytest.fail("the run ended before epoch 2 started")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+
 def build_run_inputs(root: Path) -> dict[str, Any]:
     """A tiny verifier, N_ROWS samples with random hidden states, and a d2t/t2d pair."""
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution

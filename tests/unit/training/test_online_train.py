@@ -10,7 +10,6 @@ tested end to end in tests/e2e/test_online_e2e.py.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -20,10 +19,16 @@ import torch
 import yaml
 from replay_server import ReplayServer
 from safetensors.torch import load_file
-from train_workspace import build_workspace, checkpoints, run_stage, stage_command, stage_env
+from train_workspace import (
+    build_workspace,
+    checkpoints,
+    kill_during_epoch_2,
+    run_stage,
+    stage_command,
+    stage_env,
+)
 
 from eagle3_pipeline.store import format as store
-from eagle3_pipeline.training import checkpoints as ck
 
 pytestmark = pytest.mark.slow
 TRAIN = {"epochs": 2, "keep_last": 1}
@@ -193,27 +198,7 @@ def test_sigkill_mid_epoch_resumes_exactly(
     root = _workspace(tmp_path, "ws", tiny_verifier_dir)
     with ReplayServer(_states(root), root / "served", str(tiny_verifier_dir)) as server:
         _go_online(root, server.url)
-        marker = checkpoints(root) / "0" / ck.COMPLETE_MARKER
-        proc = subprocess.Popen(
-            stage_command(),
-            cwd=root,
-            env=stage_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if line.startswith("[train] epoch 1 step"):
-                    assert marker.is_file()
-                    proc.send_signal(signal.SIGKILL)
-                    break
-            else:
-                pytest.fail("the run ended before epoch 2 started")
-        finally:
-            proc.kill()
-            proc.wait()
+        kill_during_epoch_2(root)
         out = run_stage(root)
     assert "resuming after epoch 0" in out
     a, b = _weights(online_run[0]), _weights(root)
