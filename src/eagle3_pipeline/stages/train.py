@@ -173,8 +173,7 @@ def _inputs(params: Params) -> TrainInputs:
     store.check_layout(manifest, aux, final, paths.HIDDEN_STATES)
     # Never train on a damaged file: DVC's hardlinked cache would not notice one changed in place.
     store.verify_hashes(paths.HIDDEN_STATES, manifest)
-    samples, n_train = _samples(manifest, online=t.hidden_states == "online")
-    row_ids = [r["id"] for split in ("train", "val") for r in _rows()[split]]
+    samples, n_train, row_ids = _samples(manifest, online=t.hidden_states == "online")
     key = resume.fingerprint(
         # Knobs that cannot change the weights do not restart a run.
         t.model_dump(exclude={"log_every_steps", "num_workers", "keep_last", "online"}),
@@ -191,16 +190,15 @@ def _inputs(params: Params) -> TrainInputs:
     return TrainInputs(conventions, samples, n_train, resume.scratch_dir(STAGE, key), row_ids)
 
 
-def _rows() -> dict[str, list[dict]]:
-    return {
+def _samples(
+    manifest: dict, *, online: bool = False
+) -> tuple[list[TrainingSample], int, list[str]]:
+    """(rows, train rows, their sample ids) in speculators' order (it validates on the LAST
+    rows); online mode leaves rows the store lacks (all train rows, val rows beyond
+    extract.online_keep_val) to the server."""
+    rows = {
         split: readers.read_jsonl(paths.TOKENIZED / f"{split}.jsonl") for split in ("train", "val")
     }
-
-
-def _samples(manifest: dict, *, online: bool = False) -> tuple[list[TrainingSample], int]:
-    """Rows in speculators' order (it validates on the LAST rows); online mode leaves rows the
-    store lacks (all train rows, val rows beyond extract.online_keep_val) to the server."""
-    rows = _rows()
     samples: list[TrainingSample] = []
     for split in ("train", "val"):
         for r in rows[split]:
@@ -214,7 +212,7 @@ def _samples(manifest: dict, *, online: bool = False) -> tuple[list[TrainingSamp
                     "hidden_states_file": paths.HIDDEN_STATES / entry["file"] if entry else None,
                 }
             )
-    return samples, len(rows["train"])
+    return samples, len(rows["train"]), [r["id"] for split in ("train", "val") for r in rows[split]]
 
 
 def _settings(params: Params, inputs: TrainInputs, online_flags: dict | None) -> TrainSettings:
