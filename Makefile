@@ -15,7 +15,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export DVC_NO_ANALYTICS := 1
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: venv lock lock-check image-imports train repro profile plan test test-fast lint status metrics plots report push pull bench gpu-check docker-build docker-train docker-plan docker clean-work
+.PHONY: venv lock lock-check image-imports train repro profile plan test test-fast lint status metrics plots report push pull bench gpu-check docker-build docker-train docker-plan docker clean-work cluster-local cluster-down
 
 ifdef SKIP_VENV
 venv:  # the container's environment is already installed (Dockerfile)
@@ -36,9 +36,11 @@ $(STAMP): locks/cpu.txt locks/build.txt pyproject.toml
 	touch $@
 
 # Both locks from pyproject.toml + constraints/*.txt with the pinned uv (scripts/lock.py): the
-# image's (Python 3.12, CUDA) and the CPU one, shared packages at the same versions.
+# image's (Python 3.12, CUDA) and the CPU one, shared packages at the same versions. The committed
+# versions are kept where the inputs allow (a new dependency adds only itself); UPGRADE=1 resolves
+# everything afresh.
 lock: venv
-	$(PY) scripts/lock.py lock
+	$(PY) scripts/lock.py lock $(if $(UPGRADE),--upgrade)
 
 # Re-resolves both locks with the registry (the current locks as preferences) into a temp folder:
 # fails when that gives anything other than the committed locks. `make test` checks offline.
@@ -133,6 +135,15 @@ docker-plan:
 # Any make target in the container, e.g. make docker ARGS="pull TARGETS=extract"
 docker:
 	$(DOCKER_RUN) $(ARGS)
+
+# A real Ray cluster of NODES nodes on this machine (docs/cluster.md): each node its own `ray start`
+# with its own node id, token authentication on; the cluster profiles find it (cluster.address: auto).
+NODES ?= 2
+cluster-local: venv
+	$(PY) -m eagle3_pipeline.cluster.local up --nodes $(NODES)
+
+cluster-down: venv
+	$(PY) -m eagle3_pipeline.cluster.local down
 
 # Resume state and caches of every stage; refused while a stage holds its lock.
 clean-work: venv

@@ -212,6 +212,12 @@ def verify(uv: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["lock", "check", "verify"])
+    parser.add_argument(
+        "--upgrade",
+        action="store_true",
+        help="resolve from scratch (newest allowed versions); by default the committed locks' "
+        "versions are kept wherever the inputs allow, so a new dependency changes only its own",
+    )
     args = parser.parse_args(argv)
     if args.command == "check":
         bad = stale()
@@ -225,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "verify":
         return verify(uv)
     LOCKS.mkdir(exist_ok=True)
-    compile_lock("cuda", uv)  # first: the CPU lock takes its shared versions from it
-    compile_lock("cpu", uv)
+    compile_lock("cuda", uv, fresh=args.upgrade)  # first: the CPU lock takes its shared versions
+    compile_lock("cpu", uv, fresh=args.upgrade)
     write_build_lock()
     return 0
 

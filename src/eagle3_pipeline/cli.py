@@ -42,6 +42,21 @@ def _env_defaults() -> None:
     os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
 
+# Stages the CLI fans out to the cluster (cluster.engine: ray) before the stage's own run
+# gathers: extract runs its shards on the nodes, then merges them here. train fans out inside the
+# stage (torchrun across nodes: cluster/torchrun.py).
+FANNED_OUT = {"extract"}
+
+
+def _fan_out(stage: str, params, params_path: str) -> None:
+    """Run the stage's shards on the cluster's nodes (after the pre-flight), record who did what."""
+    from eagle3_pipeline.cluster import engine, preflight, record, shards
+
+    engine.connect(params.cluster)
+    preflight.check(engine.choose_nodes(params.cluster), params.cluster, params.verifier.path)
+    record.write(stage, shards.run_shards(stage, params_path, params.cluster))
+
+
 def _common_args(
     p: argparse.ArgumentParser, params_help: str = "params file (default: %(default)s)"
 ) -> None:
@@ -209,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(f"eagle3_pipeline.stages.{args.stage}")
         t0 = time.monotonic()
         shard = getattr(args, "shard", None)
+        if params.cluster.engine == "ray" and shard is None and args.stage in FANNED_OUT:
+            _fan_out(args.stage, params, args.params)
         with stage_lock.hold(args.stage, shard):  # one writer per output, released on any exit
             swept = stage_lock.sweep(args.stage)
             if swept:

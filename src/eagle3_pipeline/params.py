@@ -222,6 +222,56 @@ class TrainParams(_Strict):
     strategy: Literal["ddp", "fsdp"] = "ddp"
 
 
+class ClusterWorkerParams(_Strict):
+    """Ray resources one worker (one node's share of a stage) asks for."""
+
+    num_cpus: float = Field(1.0, gt=0)
+    num_gpus: float = Field(0.0, ge=0)
+
+
+class ClusterParams(_Strict):
+    """Where stages run (docs/cluster.md): this machine, or `nodes` nodes of a Ray cluster.
+
+    The engine decides where work runs, never what it computes: generated rows and the store are
+    the same bytes either way. Only the number of training processes (nodes x train.nproc)
+    changes what train computes, so `cluster.nodes` is a train param in dvc.yaml.
+    """
+
+    engine: Literal["local", "ray"] = "local"
+    # Ray's GCS address (host:port); auto: the cluster this node belongs to (RAY_ADDRESS, or the
+    # one `make cluster-local` started).
+    address: str = "auto"
+    # Nodes for generate and extract (one vLLM each) and, unless train_nodes says otherwise,
+    # for train (torchrun, train.nproc processes per node).
+    nodes: int = Field(1, ge=1)
+    # Nodes for train when they differ from the inference nodes (TorchSpec's shape: 2 inference
+    # + 2 training nodes); null: `nodes`.
+    train_nodes: int | None = Field(None, ge=1)
+    worker: ClusterWorkerParams = Field(default_factory=ClusterWorkerParams)
+    # A worker lost mid-stage (its node died, its process was killed): its share reruns on
+    # another node, resuming from what it had journaled, at most this many times per share.
+    max_attempts: int = Field(3, ge=1)
+    # torchrun's c10d rendezvous port on the first training node.
+    rdzv_port: int = Field(29400, ge=1024, le=65535)
+    # Seconds to wait for `nodes` alive nodes before refusing.
+    wait_for_nodes_s: float = Field(60.0, ge=0)
+
+    @model_validator(mode="after")
+    def _local_is_one_node(self) -> ClusterParams:
+        for key in ("nodes", "train_nodes"):
+            n = getattr(self, key)
+            if self.engine == "local" and n not in (None, 1):
+                raise ValueError(
+                    f"cluster.{key}={n} needs cluster.engine: ray (engine local runs on this "
+                    f"machine alone): set cluster.engine: ray, or cluster.{key}: 1"
+                )
+        return self
+
+    @property
+    def training_nodes(self) -> int:
+        return self.train_nodes or self.nodes
+
+
 class ExportParams(_Strict):
     # speculators: what vLLM auto-detects. flat: the legacy EAGLE-3 layout (AQ-MedAI, SGLang,
     # older vLLM), its aux ids written in the convention of `server`.
@@ -282,6 +332,7 @@ class Params(_Strict):
     train: TrainParams = Field(default_factory=TrainParams)
     export: ExportParams = Field(default_factory=ExportParams)
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
+    cluster: ClusterParams = Field(default_factory=ClusterParams)
 
     @model_validator(mode="after")
     def _tiny_layer_ids(self, info: ValidationInfo) -> Params:

@@ -207,6 +207,11 @@ def record(
     served = served_in(paths.SCRATCH / stage, since=started)
     if served:  # the runner and kernels of each vLLM server the stage started
         rec["vllm_served_with"] = served
+    from eagle3_pipeline.cluster import record as cluster_record
+
+    fanned = cluster_record.read(stage, since=started)
+    if fanned:  # which node did which part (cluster.engine: ray)
+        rec["cluster"] = fanned
     atomic.write_json(path, rec)
     return path
 

@@ -1,0 +1,184 @@
+"""The Ray engine: connect, choose a stage's nodes, run one command on one node.
+
+A worker is a Ray task pinned to one node (hard node affinity) that runs a command of this
+project in the repository, on that node's view of the shared filesystem, and returns its exit
+status. The command's output reaches the driver's log through Ray (each line prefixed with the
+worker's pid and address). Ray never retries a worker by itself: the caller decides where a lost
+share reruns (shards.py, torchrun.py). Only the driver imports Ray; `engine: local` never does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3_pipeline.cluster.local import auth_env, read_state
+from eagle3_pipeline.errors import PipelineError
+from eagle3_pipeline.params import ClusterParams
+
+# What a worker's command inherits from the driver: the run's settings, never credentials.
+PASSED_ENV_PREFIXES = (
+    "HF_", "VLLM_", "OMP_", "TOKENIZERS_", "TQDM_", "DVC_NO_", "PYTHONHASHSEED", "PYTHONPATH",
+    "PATH",
+)
+
+
+@dataclass(frozen=True)
+class Node:
+    node_id: str
+    address: str
+
+    @property
+    def label(self) -> str:
+        """How logs and provenance name a node: its address and the head of its Ray id."""
+        return f"{self.address}/{self.node_id[:8]}"
+
+
+@dataclass
+class Outcome:
+    """What one worker's command did: its exit status (negative: killed by that signal)."""
+
+    node: Node
+    rc: int | None  # None: the worker or its node was lost before the command ended
+    error: str = ""
+
+    @property
+    def lost(self) -> bool:
+        """Lost, not failed: the node or the process died under the command (rerun elsewhere)."""
+        return self.rc is None or self.rc < 0 or self.rc in (137, 143)
+
+
+def connect(c: ClusterParams) -> str:
+    """Join the Ray cluster at cluster.address (auto: RAY_ADDRESS or the local cluster)."""
+    address = c.address
+    local = read_state()
+    if address == "auto" and not os.environ.get("RAY_ADDRESS") and local is not None:
+        address = local["address"]
+        os.environ.update(auth_env(Path(local["token_path"])))  # read when Ray is imported
+    # Worker lines in the stage's log: plain text, every line (no colour, no deduplication).
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    import ray
+
+    if ray.is_initialized():
+        return address
+    try:
+        ray.init(
+            address=address,
+            namespace="eagle3",
+            log_to_driver=True,
+            logging_level="ERROR",
+            configure_logging=True,
+        )
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PipelineError(
+            f"params.yaml: cluster.address={c.address}: no Ray cluster reachable ({first}): "
+            "start one (make cluster-local NODES=2, or `ray start` on each node: "
+            "docs/cluster.md)"
+        ) from None
+    return address
+
+
+def alive_nodes() -> list[Node]:
+    """Alive nodes that can run workers, the driver's own node first, then by Ray id."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    nodes = [
+        Node(n["NodeID"], n["NodeManagerAddress"])
+        for n in ray.nodes()
+        if n["Alive"] and n["Resources"].get("CPU", 0) > 0
+    ]
+    return sorted(nodes, key=lambda n: (n.node_id != here, n.node_id))
+
+
+def choose_nodes(
+    c: ClusterParams, exclude: set[str] = frozenset(), count: int | None = None
+) -> list[Node]:
+    """`count` (default cluster.nodes) alive nodes, waiting up to cluster.wait_for_nodes_s."""
+    import time
+
+    want = count or c.nodes
+    key = "nodes" if want == c.nodes else "train_nodes"
+    deadline = time.monotonic() + c.wait_for_nodes_s
+    while True:
+        nodes = [n for n in alive_nodes() if n.node_id not in exclude]
+        if len(nodes) >= want:
+            return nodes[:want]
+        if time.monotonic() >= deadline:
+            raise PipelineError(
+                f"params.yaml: cluster.{key}={want} but the Ray cluster has "
+                f"{len(nodes)} usable alive node(s) after {c.wait_for_nodes_s:.0f} s: add "
+                "nodes (make cluster-local NODES=..., or `ray start --address ...`) or lower "
+                f"cluster.{key}"
+            )
+        time.sleep(1.0)
+
+
+def passed_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV_PREFIXES)}
+
+
+def _die_with_parent() -> None:
+    """In the command's process: SIGTERM when the Ray worker dies (a cancelled or lost worker)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _run_command(argv: list[str], cwd: str, env: dict[str, str]) -> dict[str, Any]:
+    """Body of a worker: the command in `cwd`, output to the worker's stdout (-> driver)."""
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env={**os.environ, **env}, preexec_fn=_die_with_parent
+    )
+    rc = proc.wait()
+    return {"rc": rc, "host": socket.gethostname()}
+
+
+def submit(node: Node, argv: list[str], c: ClusterParams, env: dict[str, str] | None = None):
+    """Start `argv` on `node` as a Ray task; returns its ObjectRef (resolve with `outcome`)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(_run_command).options(
+        num_cpus=c.worker.num_cpus,
+        num_gpus=c.worker.num_gpus,
+        max_retries=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+        name=f"eagle3:{' '.join(argv[1:4])}",
+    )
+    return task.remote(argv, os.getcwd(), {**passed_env(), **(env or {})})
+
+
+def outcome(node: Node, ref) -> Outcome:
+    """Wait for a worker; a dead worker or node becomes a lost outcome, not an exception."""
+    import ray
+
+    try:
+        return Outcome(node, ray.get(ref)["rc"])
+    except (ray.exceptions.RayError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return Outcome(node, None, f"{type(exc).__name__}: {first}")
+
+
+def cancel(refs: list) -> None:
+    """Kill workers still running (their commands get SIGTERM through the parent-death signal)."""
+    import ray
+
+    for ref in refs:
+        with contextlib.suppress(ray.exceptions.RayError, ValueError, TypeError):
+            ray.cancel(ref, force=True)
+
+
+def eagle3_argv(*args: str) -> list[str]:
+    """The `eagle3` command of this installation (the same path on every node: shared or image)."""
+    return [sys.executable, "-m", "eagle3_pipeline.cli", *args]

@@ -1,0 +1,185 @@
+"""`make cluster-local NODES=2`, `make cluster-down`: a real Ray cluster of N nodes on this machine.
+
+Each node is its own `ray start --block` process (the first one the head), so the nodes have
+distinct node ids, raylets and object stores exactly as on N machines; they share this machine's
+address and filesystem. Token authentication is on (a per-cluster token in a 0600 file, never
+printed), the dashboard is off. Each node runs in its own session: `down` ends every process of
+those sessions (Ray's workers included) and nothing else, so a user's own Ray on this machine is
+left alone. State: data/.work/cluster/local.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from eagle3_pipeline import atomic, paths
+from eagle3_pipeline.errors import PipelineError
+
+STATE_DIR = paths.SCRATCH / "cluster"
+STATE = STATE_DIR / "local.json"
+TOKEN = STATE_DIR / "auth_token"
+DEFAULT_PORT = 6380
+START_TIMEOUT_S = 120.0
+
+
+def auth_env(token_path: Path) -> dict[str, str]:
+    """What every Ray process of the cluster (nodes, drivers, workers) needs to authenticate."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path.resolve())}
+
+
+def read_state(state: Path = STATE) -> dict | None:
+    """The running local cluster's record, or None."""
+    if not state.is_file():
+        return None
+    return json.loads(state.read_text())
+
+
+def _ray_bin() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+def _alive_nodes(address: str, env: dict[str, str]) -> int:
+    """Alive nodes as the GCS sees them, asked from a separate process (no driver left behind)."""
+    code = (
+        "import ray, sys\n"
+        f"ray.init(address={address!r}, logging_level='ERROR', log_to_driver=False)\n"
+        "print(sum(n['Alive'] for n in ray.nodes()))\n"
+    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=20
+        )
+    except subprocess.TimeoutExpired:  # the GCS is not up yet
+        return 0
+    return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout else 0
+
+
+def up(nodes: int, port: int = DEFAULT_PORT, num_cpus: int = 1, state: Path = STATE) -> dict:
+    """Start `nodes` Ray nodes here (head first); returns the state record once all are alive."""
+    if read_state(state) is not None:
+        raise PipelineError(
+            f"{state}: a local cluster is already up (make cluster-down first, then "
+            "make cluster-local)"
+        )
+    state.parent.mkdir(parents=True, exist_ok=True)
+    token = state.parent / TOKEN.name
+    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    env = {**os.environ, **auth_env(token), "RAY_USAGE_STATS_ENABLED": "0"}
+    address = f"127.0.0.1:{port}"
+    common = ["--block", "--num-cpus", str(num_cpus), "--disable-usage-stats"]
+    record: dict = {"address": address, "token_path": str(token.resolve()), "nodes": []}
+    for i in range(nodes):
+        if i == 0:
+            cmd = [_ray_bin(), "start", "--head", f"--port={port}", "--include-dashboard=false"]
+        else:
+            cmd = [_ray_bin(), "start", f"--address={address}"]
+        log_path = state.parent / f"node-{i}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                cmd + common, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        record["nodes"].append({"pid": proc.pid, "log": str(log_path)})
+        atomic.write_json(state, record)  # written at once: `down` finds what was started
+        if not _wait(lambda n=i + 1: _alive_nodes(address, env) >= n, START_TIMEOUT_S, proc):
+            down(state)
+            raise PipelineError(
+                f"local cluster: node {i} did not join within {START_TIMEOUT_S:.0f} s: see "
+                f"{log_path}"
+            )
+        print(f"cluster-local: node {i} up ({'head, ' if i == 0 else ''}{address})", flush=True)
+    return record
+
+
+def _wait(ready, timeout_s: float, proc: subprocess.Popen) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        if ready():
+            return True
+        time.sleep(1.0)
+    return False
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getsid(int(entry.name)) == sid:
+                    pids.append(int(entry.name))
+    return pids
+
+
+def down(state: Path = STATE) -> int:
+    """Stop every process of the local cluster's node sessions; returns how many were signalled."""
+    record = read_state(state)
+    if record is None:
+        return 0
+    sessions = [n["pid"] for n in record["nodes"]]  # each node leads its own session
+    pids = [p for sid in sessions for p in _session_pids(sid)]
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        left = [p for p in pids if _alive(p)]
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(_alive(p) for p in left):
+            time.sleep(0.2)
+    state.unlink(missing_ok=True)
+    (state.parent / TOKEN.name).unlink(missing_ok=True)
+    return len(pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purpose.
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    start = sub.add_parser("up", help="start N local nodes")
+    start.add_argument("--nodes", type=int, default=2)
+    start.add_argument("--port", type=int, default=DEFAULT_PORT)
+    start.add_argument("--num-cpus", type=int, default=1)
+    sub.add_parser("down", help="stop the local cluster")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "up":
+            if args.nodes < 1:
+                raise PipelineError(f"NODES={args.nodes}: need at least 1 node")
+            record = up(args.nodes, args.port, args.num_cpus)
+            print(
+                f"cluster-local: {args.nodes} nodes at {record['address']} (token auth on); "
+                "params: cluster.engine: ray, cluster.address: auto; stop: make cluster-down",
+                flush=True,
+            )
+        else:
+            n = down()
+            print(f"cluster-down: {n} processes stopped" if n else "cluster-down: none running")
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
