@@ -162,11 +162,17 @@ def estimate_tokens(
     return TokenEstimate(n * per_sample, how, n)
 
 
+def train_ranks(params: Params) -> int:
+    """Training processes: train.nproc on each training node (one node unless cluster.engine
+    is ray)."""
+    return params.train.nproc * params.cluster.training_nodes
+
+
 def global_batch_tokens(params: Params) -> int:
-    """Tokens per optimizer step: each of train.nproc ranks packs its own batch of
+    """Tokens per optimizer step: each of the run's ranks (train_ranks) packs its own batch of
     train.max_tokens_per_batch, train.grad_accumulation times."""
     t = params.train
-    return t.max_tokens_per_batch * t.nproc * t.grad_accumulation
+    return t.max_tokens_per_batch * train_ranks(params) * t.grad_accumulation
 
 
 def schedule(params: Params, total_tokens: int) -> tuple[int, int, int, int]:

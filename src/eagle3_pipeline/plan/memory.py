@@ -239,13 +239,14 @@ def train_memory(params: Params, groups: list[ParamGroup], d: DrafterShape) -> T
     t = params.train
     total = sum(g.count for g in groups)
     trainable = sum(g.count for g in groups if g.trainable)
-    shards = t.nproc if t.strategy == "fsdp" and t.nproc > 1 else 1
+    ranks = t.nproc * params.cluster.training_nodes  # every node's ranks share one FSDP mesh
+    shards = ranks if t.strategy == "fsdp" and ranks > 1 else 1
     parts = {
         "weights fp32": total * 4 // shards,
         "grads fp32": trainable * 4 // shards,
         "AdamW fp32": trainable * 8 // shards,
     }
-    if t.nproc > 1 and t.strategy == "ddp":
+    if ranks > 1 and t.strategy == "ddp":
         parts["DDP buckets"] = trainable * 4
     parts["logits"] = t.max_tokens_per_batch * d.draft_vocab_size * t.ttt_steps * LOGIT_BYTES
-    return TrainMemory(t.nproc, t.strategy, parts)
+    return TrainMemory(ranks, t.strategy, parts)

@@ -2,8 +2,8 @@
 
 `make_plan` meets every check in the order a run would (inputs.py reads, checks.py refuses or
 warns, drafter/shape.py counts, estimates.py sizes, modes.py costs the hidden states in both
-modes); report.py renders the result. A mismatch that would only surface days later (after
-generate and extract) stops here as one line.
+modes, nodes.py splits the work over a Ray cluster's nodes); report.py renders the result. A
+mismatch that would only surface days later (after generate and extract) stops here as one line.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from eagle3_pipeline.drafter.shape import (
     parameter_groups,
 )
 from eagle3_pipeline.params import Params
-from eagle3_pipeline.plan import checks, estimates, inputs, memory, modes
+from eagle3_pipeline.plan import checks, estimates, inputs, memory, modes, nodes
 from eagle3_pipeline.verifier import identity as vf
 from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
 
@@ -61,6 +61,7 @@ class Plan:
     serving: memory.ServingMemory | None
     training: memory.TrainMemory
     warnings: list[str] = field(default_factory=list)
+    cluster: nodes.ClusterPlan | None = None  # each node's share (cluster.engine: ray)
 
     @property
     def checkpoints_kept(self) -> int:
@@ -130,6 +131,19 @@ def make_plan(
         else None
     )
     asked = modes.requested_scales(params, samples or [], estimate.tokens_per_sample)
+    bytes_per_token = estimates.store_bytes_per_token(len(aux) + 1, v.hidden_size)
+    mode_cost = getattr(own, params.train.hidden_states) if own is not None else None
+    cluster = nodes.cluster_plan(
+        params,
+        samples=estimate.samples,
+        tokens=estimate.total,
+        prompt_tokens=prompt.tokens,
+        disk_tokens=mode_cost.disk_tokens if mode_cost is not None else None,
+        bytes_per_token=bytes_per_token[params.extract.store_dtype],
+        train_tokens=steps[0],
+        max_concurrency=serving.max_concurrency if serving is not None else None,
+        verifier_bytes=serving.weights.bytes if serving is not None else None,
+    )
     return Plan(
         profile=params.profile,
         params_path=where,
@@ -141,7 +155,7 @@ def make_plan(
         drafter=drafter,
         conventions=run,
         groups=groups,
-        store_bytes_per_token=estimates.store_bytes_per_token(len(aux) + 1, v.hidden_size),
+        store_bytes_per_token=bytes_per_token,
         tokens=estimate,
         hidden_states=params.train.hidden_states,
         store_dtype=params.extract.store_dtype,
@@ -164,4 +178,5 @@ def make_plan(
         + checks.sequence_warnings(params, prompt.tokens)
         + checks.memory_warnings(serving)
         + modes.online_warnings(params, own),
+        cluster=cluster,
     )

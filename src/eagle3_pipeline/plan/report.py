@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from eagle3_pipeline import paths
-from eagle3_pipeline.plan import memory, modes
+from eagle3_pipeline.plan import memory, modes, nodes
 from eagle3_pipeline.plan.plan import Plan
 
 TRAIN_SCRATCH = paths.SCRATCH / "train"  # where the train stage keeps its epoch checkpoints
@@ -215,9 +215,97 @@ def _memory_lines(p: Plan) -> list[str]:
     return lines
 
 
+def _table(rows: list[list[str]], left: set[int]) -> list[str]:
+    """Rows as aligned columns: the `left` ones left-aligned, numbers right-aligned."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        _row(
+            "",
+            "  ".join(
+                f"{cell:<{w}}" if i in left else f"{cell:>{w}}"
+                for i, (cell, w) in enumerate(zip(r, widths, strict=True))
+            ).rstrip(),
+        )
+        for r in rows
+    ]
+
+
+def _cluster_lines(p: Plan) -> list[str]:
+    """Each node's work, what it writes and how long it takes (cluster.engine: ray)."""
+    c = p.cluster
+    if c is None:
+        return []
+    gpus = f", {c.worker_gpus:g} GPUs" if c.worker_gpus else ""
+    lines = [
+        _row(
+            "cluster",
+            f"Ray at {c.address}: each worker asks {c.worker_cpus:g} CPU{gpus}; a lost worker's "
+            f"share reruns on another node ({c.max_attempts} attempts at most)",
+        ),
+        _row("", "every node: the same data/ (one shared filesystem) and the verifier weights"),
+        _row(
+            "",
+            "at verifier.path" + (f" ({_size(c.verifier_bytes)} each)" if c.verifier_bytes else ""),
+        ),
+    ]
+    if not c.inference:
+        lines.append(_row("", "generate, extract: sample count unknown (pass --prompts N)"))
+    ckpt = (p.checkpoint_weights_bytes + p.checkpoint_optimizer_bytes) * p.checkpoints_kept
+    rows = [["node", "stage", "work", "writes to data/", "time"]]
+    for i, s in enumerate(c.inference, 1):
+        rows.append(
+            [
+                f"inference {i}",
+                "generate",
+                f"{s.samples:,} prompts, <= {_m(s.new_tokens)} new tokens "
+                f"({c.concurrency} at once)",
+                "rows",
+                nodes.duration(s.generate_s),
+            ]
+        )
+        rows.append(
+            [
+                "",
+                "extract",
+                f"{_m(s.store_tokens)} tokens prefilled",
+                f"{_size(s.store_bytes)} {p.store_dtype}",
+                nodes.duration(s.extract_s),
+            ]
+        )
+    for i, t in enumerate(c.training, 1):
+        rows.append(
+            [
+                f"training {i}",
+                "train",
+                f"{t.ranks} rank{'s' if t.ranks > 1 else ''}, {_m(t.tokens_per_epoch)} tokens "
+                f"x {c.epochs} epochs",
+                f"checkpoints {_size(ckpt)}" if t.writes_checkpoints else "-",
+                nodes.duration(t.train_s),
+            ]
+        )
+    if len(rows) > 1:
+        lines += _table(rows, left={0, 1, 2, 3})
+    times = c.stage_seconds
+    if c.inference and c.training:
+        parts = " + ".join(f"{k} {nodes.duration(v)}" for k, v in times.items())
+        total = nodes.duration(sum(times.values()))
+        lines.append(
+            _row("", f"stages in turn, each as long as its slowest node: {parts} = ~{total}")
+        )
+    lines.append(_row("", "times: each share's tokens over reference rates (plan/nodes.py):"))
+    lines.append(_row("", c.rates.source))
+    return lines
+
+
 def render(p: Plan) -> str:
     """The whole report: header, verifier, drafter, costs, then one line per warning."""
     head = [_row("plan", f"profile {p.profile} ({p.params_path}), from config files only")]
     warn = [_row("warning", w) for w in p.warnings]
-    body = _verifier_lines(p) + _drafter_lines(p) + _cost_lines(p) + _memory_lines(p)
+    body = (
+        _verifier_lines(p)
+        + _drafter_lines(p)
+        + _cost_lines(p)
+        + _memory_lines(p)
+        + _cluster_lines(p)
+    )
     return "\n".join(head + body + warn)
