@@ -12,12 +12,16 @@ go to DVCLive (metrics/train/) and, as plain lines, to stdout so a log file show
 
 `train.nproc` > 1 relaunches the training part through torchrun (`python -m
 eagle3_pipeline.stages.train --worker PARAMS_JSON` per process); this process prepares the
-data, forwards SIGINT/SIGTERM to torchrun and copies the outputs; rank 0 alone logs.
+data, forwards SIGINT/SIGTERM to torchrun and copies the outputs; rank 0 alone logs. With
+`cluster.engine: ray` the same workers run under one torchrun agent per training node
+(cluster.torchrun: c10d rendezvous; a lost node relaunches from the last complete epoch), and
+which node did what goes into the stage's provenance.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -110,7 +114,7 @@ def run(params: Params) -> None:
     with disk.guard(STAGE, inputs.save_dir):  # a checkpoint write that fails: OS reason, mount
         if t.hidden_states == "online":
             _train_online(params, inputs)
-        elif t.nproc > 1:
+        elif _distributed(params):
             _launch(params, inputs)
         else:
             _train(params, inputs)
@@ -127,7 +131,7 @@ def _train_online(params: Params, inputs: TrainInputs) -> None:
         online.log_plan(t.online, source, len(inputs.samples), stored)
         flags = online.speculators_flags(t.online, source.endpoint)
         _check_server(params, inputs, source, flags)
-        if t.nproc > 1:
+        if _distributed(params):
             # Workers read the server from params: the one started here, or the given one.
             served = t.online.model_copy(update={"endpoint": source.endpoint})
             train = t.model_copy(update={"online": served})
@@ -186,6 +190,8 @@ def _inputs(params: Params) -> TrainInputs:
         resume.file_sha256(paths.TOKENIZED / "train.jsonl"),
         # Other weights at the same path start over (stamp: names, sizes, mtimes; no hashing).
         vf.files_stamp(t.init_from) if t.init_from and Path(t.init_from).is_dir() else None,
+        # Another world size is another run (a single node keeps its key).
+        *([{"train_nodes": _nodes(params)}] if _nodes(params) > 1 else []),
     )
     return TrainInputs(conventions, samples, n_train, resume.scratch_dir(STAGE, key), row_ids)
 
@@ -265,13 +271,63 @@ def _train_process(params: Params, inputs: TrainInputs, settings: TrainSettings)
         )
 
 
+def _nodes(params: Params) -> int:
+    """Training nodes: cluster.training_nodes on a Ray cluster, else this machine alone."""
+    return params.cluster.training_nodes if params.cluster.engine == "ray" else 1
+
+
+def _distributed(params: Params) -> bool:
+    """More than one training process: launched through torchrun."""
+    return params.train.nproc > 1 or _nodes(params) > 1
+
+
 def _launch(params: Params, inputs: TrainInputs) -> None:
     """One `_worker_main` per process under torchrun, from the params written to scratch."""
     spec = inputs.work / "params.json"
     atomic.write_text(spec, params.model_dump_json())
-    cmd = torchrun_command(params.train.nproc, __name__, ["--worker", str(spec)])
+    worker = ["--worker", str(spec.resolve())]
+    if params.cluster.engine == "ray":
+        _launch_on_cluster(params, inputs, worker)
+        return
+    cmd = torchrun_command(params.train.nproc, __name__, worker)
     log(STAGE, f"launching {params.train.nproc} processes ({params.train.strategy}): torchrun")
     launch_torchrun(cmd)
+
+
+def _launch_on_cluster(params: Params, inputs: TrainInputs, worker: list[str]) -> None:
+    """One torchrun agent per training node (cluster.torchrun); record who did what."""
+    from eagle3_pipeline.cluster import engine, preflight, record, torchrun
+
+    c = params.cluster
+    engine.connect(c)
+
+    def before_attempt(number: int) -> None:
+        if number == 1:  # run() tidied the scratch dir already
+            return
+        removed = discard_incomplete(inputs.save_dir)
+        trim_live(inputs.live_dir, inputs.save_dir)
+        done = resume_epoch(inputs.save_dir)
+        log(
+            STAGE,
+            f"cluster: attempt {number} "
+            + (f"resumes after epoch {done}" if done is not None else "starts afresh")
+            + (f" (discarded incomplete: {', '.join(removed)})" if removed else ""),
+        )
+
+    log(
+        STAGE,
+        f"launching {_nodes(params)} nodes x {params.train.nproc} processes "
+        f"({params.train.strategy}): torchrun through Ray",
+    )
+    rec = torchrun.run_across_nodes(
+        c,
+        params.train.nproc,
+        __name__,
+        worker,
+        before_attempt=before_attempt,
+        check_nodes=lambda nodes: preflight.check(nodes, c, params.verifier.path),
+    )
+    record.write(STAGE, rec)
 
 
 def _publish(params: Params, inputs: TrainInputs) -> None:
@@ -301,11 +357,25 @@ def _copy_checkpoint(src: Path, dst: Path) -> None:
         shutil.copy2(src / name, dst / name)
 
 
+def _die_with_agent() -> None:
+    """SIGKILL this worker when its torchrun agent dies (a lost node's agent, SIGKILL included):
+    a worker orphaned by its agent must not write beside the relaunched run."""
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the agent died before the signal was armed
+        os._exit(1)
+
+
 def _worker_main(argv: list[str]) -> int:
     """One torchrun worker: `python -m eagle3_pipeline.stages.train --worker PARAMS_JSON`."""
     if len(argv) != 2 or argv[0] != "--worker":
         print("usage: python -m eagle3_pipeline.stages.train --worker PARAMS_JSON", file=sys.stderr)
         return 2
+    _die_with_agent()
     params = Params.model_validate_json(Path(argv[1]).read_text())
     if not sys.stdout.isatty():
         os.environ.setdefault("TQDM_DISABLE", "1")

@@ -8,8 +8,9 @@ the venv sits inside a git work tree, speculators.patch (`git diff HEAD` of that
 
 Under torchrun (LOCAL_RANK set) each process calls `run_training`; speculators initialises
 torch.distributed (gloo on CPU, via the shims), wraps the drafter in DDP or, with `fsdp`, FSDP2,
-and gives each rank its own bins of `total_seq_len` tokens (global batch: nproc x that). The data
-order is a function of seed and epoch (no state to save).
+and gives each rank its own bins of `total_seq_len` tokens (global batch: nproc x that), chosen by
+the global RANK (checked where the loaders are built: `sampler_rank_guard`). The data order is a
+function of seed and epoch (no state to save).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from eagle3_pipeline.training.speculators_patches import (
     hidden_state_noise,
     lm_head_trainable,
     no_progress_bars,
+    sampler_rank_guard,
 )
 
 
@@ -177,6 +179,7 @@ def run_training(
         hidden_state_noise(s.noise_std) if s.noise_std > 0 else nothing,
         exact_resume(s.keep_last, exact=not s.fsdp),
         steps.patched(),
+        sampler_rank_guard(),
         no_progress_bars() if os.environ.get("TQDM_DISABLE") else nothing,
         # Last: inside the lm_head un-freezing, after exact_resume tidied the scratch dir.
         init_from_checkpoint(

@@ -231,3 +231,44 @@ class StepControl:
                 setattr(cls, name, fn)
             trainer_mod._resolve_scheduler_steps = resolve_original
             torch.nn.utils.clip_grad_norm_ = clip_original
+
+
+def check_sampler_rank() -> None:
+    """Refuse unless speculators shards the samples by the global rank (torchrun's RANK).
+
+    Its sampler takes `get_dp_rank()`; derived from LOCAL_RANK (its bug #427/#619) every node
+    would read the same samples. A no-op outside torchrun.
+    """
+    if "RANK" not in os.environ:
+        return
+    from speculators.train import distributed as sd
+
+    rank, world = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1"))
+    sp = sd.get_sp_size()
+    want = (rank // sp, world // sp)
+    if (sd.get_dp_rank(), sd.get_dp_size()) != want:
+        raise RuntimeError(
+            f"speculators would shard samples as data-parallel rank {sd.get_dp_rank()} of "
+            f"{sd.get_dp_size()}, but this process is RANK {rank} of WORLD_SIZE {world} "
+            f"(sequence-parallel size {sp}: rank {want[0]} of {want[1]}): ranks would read the "
+            f"same samples (LOCAL_RANK={os.environ.get('LOCAL_RANK')}); check speculators' "
+            "distributed setup against its version"
+        )
+
+
+@contextlib.contextmanager
+def sampler_rank_guard() -> Iterator[None]:
+    """Run `check_sampler_rank` where speculators' `main()` builds its data loaders."""
+    from speculators.train import cli
+
+    original = cli.create_train_val_loaders
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        check_sampler_rank()
+        return original(*args, **kwargs)
+
+    cli.create_train_val_loaders = guarded
+    try:
+        yield
+    finally:
+        cli.create_train_val_loaders = original
