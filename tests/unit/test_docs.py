@@ -13,6 +13,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+import yaml
 
 from eagle3_pipeline.cli import build_parser
 
@@ -240,3 +241,22 @@ def test_checks_see_what_is_missing() -> None:
     assert PROFILE_VAR.findall(text) == ["nope"]
     assert SRC_PATH.findall(text) == ["src/eagle3_pipeline/no_such.py"]
     assert "verify" in cli_commands()["store"]
+
+
+CLUSTER_TEMPLATES = sorted((REPO / "docs" / "cluster").glob("*"))
+
+
+@pytest.mark.parametrize("template", CLUSTER_TEMPLATES, ids=rel)
+def test_cluster_templates_name_what_exists(template: Path) -> None:
+    """The Slurm and KubeRay templates (docs/cluster.md) run targets and profiles that exist."""
+    text = doc_text(template)
+    targets = {t for line in text.splitlines() for t in make_targets_named(line)}
+    assert "train" in targets, f"{rel(template)} no longer runs `make train`"
+    missing = sorted(targets - make_targets())
+    missing += sorted(
+        n for n in PROFILE_VAR.findall(text) if not (REPO / "profiles" / f"{n}.yaml").is_file()
+    )
+    assert not missing, f"{rel(template)} names what does not exist: {', '.join(missing)}"
+    if template.suffix == ".yaml":
+        (job,) = yaml.safe_load_all(text)
+        assert job["kind"] == "RayJob" and "make train" in job["spec"]["entrypoint"]
