@@ -90,10 +90,10 @@ class TrainInputs:
 
 def run(params: Params) -> None:
     t = params.train
-    if t.strategy == "fsdp" and t.nproc == 1:
+    if t.strategy == "fsdp" and not _distributed(params):
         raise ParamsError(
             "params.yaml: train.strategy=fsdp shards the drafter across processes but "
-            "train.nproc=1: set train.nproc to the number of GPUs, or strategy: ddp"
+            "train.nproc=1 on one node: set train.nproc to the number of GPUs, or strategy: ddp"
         )
     inputs = _inputs(params)
     write_training_data(inputs.data_dir, inputs.samples)
@@ -231,6 +231,7 @@ def _settings(params: Params, inputs: TrainInputs, online_flags: dict | None) ->
         draft_vocab_size=params.vocab.draft_vocab_size,
         conventions=inputs.conventions,
         train_data_ratio=train_data_ratio_for(inputs.n_train, len(inputs.samples)),
+        nodes=_nodes(params),
     )
     return dataclasses.replace(settings, online_flags=online_flags)
 

@@ -115,9 +115,11 @@ class TrainSettings:
         draft_vocab_size: int,
         conventions: RunConventions,
         train_data_ratio: float,
+        nodes: int = 1,
     ) -> TrainSettings:
         """The settings of the `train` stage. Every step's metrics reach DVCLive;
-        `t.log_every_steps` thins the log lines only (metrics.MetricsSink)."""
+        `t.log_every_steps` thins the log lines only (metrics.MetricsSink). `nodes`: training
+        nodes, each running t.nproc processes."""
         return cls(
             data_dir=data_dir,
             verifier_dir=verifier_dir,
@@ -141,7 +143,7 @@ class TrainSettings:
             train_lm_head=t.train_lm_head,
             keep_last=t.keep_last,
             grad_accumulation=t.grad_accumulation,
-            fsdp=t.strategy == "fsdp" and t.nproc > 1,
+            fsdp=t.strategy == "fsdp" and t.nproc * nodes > 1,
             init_from=Path(t.init_from) if t.init_from else None,
             init_vocab_mismatch=t.init_vocab_mismatch,
             **conventions.flags,

@@ -59,7 +59,9 @@ FLAGS = {
 }
 
 
-def _settings_from(t: TrainParams, conventions: RunConventions | None = None) -> TrainSettings:
+def _settings_from(
+    t: TrainParams, conventions: RunConventions | None = None, nodes: int = 1
+) -> TrainSettings:
     return TrainSettings.from_params(
         t,
         data_dir=Path("d"),
@@ -69,6 +71,7 @@ def _settings_from(t: TrainParams, conventions: RunConventions | None = None) ->
         draft_vocab_size=DRAFT_VOCAB,
         conventions=conventions or RunConventions(AUX_IDS, 8, dict(FLAGS), {}),
         train_data_ratio=0.5,
+        nodes=nodes,
     )
 
 
@@ -110,6 +113,7 @@ def test_settings_carry_conventions(tmp_path: Path) -> None:
 def test_settings_fsdp_only_with_processes() -> None:
     assert _settings_from(TrainParams(strategy="fsdp", nproc=2)).fsdp
     assert not _settings_from(TrainParams(strategy="fsdp", nproc=1)).fsdp
+    assert _settings_from(TrainParams(strategy="fsdp", nproc=1), nodes=2).fsdp  # 2 nodes x 1
     assert not _settings_from(TrainParams(strategy="ddp", nproc=2)).fsdp
     assert _settings_from(TrainParams(init_from=None)).init_from is None
 
