@@ -120,3 +120,14 @@ def test_cluster_profiles_differ_from_their_base_in_the_cluster_block_only(
     assert ours == theirs
     assert cluster["engine"] == "ray" and cluster["nodes"] == 2
     assert load_params(cluster_profile).cluster.engine == "ray"
+
+
+def test_unknown_sample_count_says_so(tmp_path: Path) -> None:
+    raw = yaml.safe_load(FOUR_NODES.read_text())
+    raw["prepare"]["max_prompts"] = None  # and no prompt files: nothing to split
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    p = plan.make_plan(load_params(path), path, KIMI, AQ_MEDAI)
+    assert p.cluster is not None and p.cluster.inference == [] and p.cluster.training == []
+    text = report.render(p)
+    assert "generate, extract: sample count unknown" in text and "stages in turn" not in text
