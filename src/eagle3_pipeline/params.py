@@ -106,11 +106,23 @@ class VllmParams(_Strict):
 
 class GenerateParams(_Strict):
     backend: Literal["hf", "vllm"] = "hf"
+    # Servers the user already runs (backend vllm): none is started then. One URL, or a fleet
+    # that prompts are leased to (each prompt to one server; a server lost mid-run gives its
+    # prompts back to the others). A server that wants an API key gets the one in the
+    # environment variable EAGLE3_VLLM_API_KEY (never in params).
     server_url: str | None = None
+    server_urls: list[str] = Field(default_factory=list)
+    # First port tried for each vLLM server the stage starts (server i tries port+i, then
+    # port+i+n, ... for n servers, up to 100 ports); null: any free port.
+    server_port: int | None = Field(None, ge=1024, le=65535)
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     batch_size: int = Field(16, ge=1)
+    # Requests in flight per server. Greedy decoding is not batch-invariant (CPU kernels, and
+    # GPU ones without VLLM_BATCH_INVARIANT=1): rows are the same bytes from run to run, and
+    # from 1 to N servers, at 1; above 1 a row can end differently with what it was batched
+    # with (docs/cluster.md).
     concurrency: int = Field(8, ge=1)
     reasoning_parser: str | None = "deepseek_r1"
     chat_template_kwargs: dict[str, Any] = Field(default_factory=lambda: {"thinking": True})
@@ -120,6 +132,31 @@ class GenerateParams(_Strict):
     # data set stay as unsupervised context). every: each user turn answered in turn, with the
     # verifier's own earlier answers as context: N user turns give N supervised rows (turns.py).
     turns: Literal["last", "every"] = "last"
+
+    @model_validator(mode="after")
+    def _one_way_to_name_servers(self) -> GenerateParams:
+        if self.server_url and self.server_urls:
+            raise ValueError(
+                "generate.server_url and generate.server_urls are both set: list every server "
+                "in generate.server_urls and remove generate.server_url"
+            )
+        named = [("server_url", self.server_url)] if self.server_url else []
+        for key, url in named + [("server_urls", u) for u in self.server_urls]:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(
+                    f"generate.{key}: {url!r} is not a URL: write http://HOST:PORT (the base "
+                    "URL of an OpenAI-compatible server, without /v1)"
+                )
+        if len(set(self.server_urls)) != len(self.server_urls):
+            raise ValueError(
+                f"generate.server_urls={self.server_urls} names a server twice: list each once"
+            )
+        return self
+
+    @property
+    def given_servers(self) -> list[str]:
+        """Base URLs of the servers the user runs (server_url or server_urls); empty: none."""
+        return [u.rstrip("/") for u in ([self.server_url] if self.server_url else self.server_urls)]
 
 
 class TokenizeParams(_Strict):

@@ -19,8 +19,12 @@ import requests
 
 from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.progress import log
+from eagle3_pipeline.serving import auth
 
 CONNECT_TIMEOUT_S = 10.0
+# The key sent to servers the user runs (generate.server_url(s)); servers the pipeline starts
+# get a fresh key per run instead.
+API_KEY_VAR = "EAGLE3_VLLM_API_KEY"
 _log_lock = threading.Lock()  # one retry line at a time: print() writes text and newline apart
 
 
@@ -116,8 +120,10 @@ class ChatClient:
         backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
         stage: str = "chat",
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self._headers = auth.bearer(api_key)  # never logged: no repr, no message shows it
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -131,6 +137,7 @@ class ChatClient:
     def _session(self) -> requests.Session:
         if not hasattr(self._local, "session"):
             self._local.session = requests.Session()
+            self._local.session.headers.update(self._headers)
         return self._local.session
 
     def backoff(self, attempt: int) -> float:
@@ -194,12 +201,18 @@ class ChatClient:
         """`preferred` if the server serves it, else its only model; a clear error otherwise."""
         try:
             resp = self._session().get(f"{self.base_url}/v1/models", timeout=CONNECT_TIMEOUT_S)
+            if resp.status_code == 401:
+                given = "a wrong one was" if self._headers else "none was"
+                raise ServerError(
+                    f"{self.base_url}/v1/models: HTTP 401: the server wants an API key and "
+                    f"{given} sent: export {API_KEY_VAR} with the server's key"
+                )
             resp.raise_for_status()
             ids = [m["id"] for m in resp.json()["data"]]
         except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
             raise ServerError(
                 f"{self.base_url}/v1/models: no answer from the server ({type(exc).__name__}): "
-                "check generate.server_url and that the server is up"
+                "check generate.server_url(s) and that the server is up"
             ) from None
         if preferred in ids:
             return preferred

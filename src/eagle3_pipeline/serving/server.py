@@ -1,14 +1,16 @@
 """Start, wait for and always stop a vLLM OpenAI-compatible server.
 
-The server runs in its own process group on loopback with a free port, logs to a file, and is
-stopped (SIGTERM, then SIGKILL) and reaped when the `with` block ends for any reason, including
-Ctrl-C and SIGTERM sent to the stage. A SIGKILLed stage runs no cleanup at all, so the server is
+The server runs in its own process group on loopback (or the address `host` names: a cluster
+node's own address) with a free port, logs to a file, and is stopped (SIGTERM, then SIGKILL)
+and reaped when the `with` block ends for any reason, including Ctrl-C and SIGTERM sent to the
+stage. A SIGKILLed stage runs no cleanup at all, so the server is
 started under a small watchdog (`python -m eagle3_pipeline.serving.server --watch -- CMD`)
 that kills the group when its stdin, a pipe only the stage holds, closes: no server is ever left
 behind.
 The server itself is started through `python -m eagle3_pipeline.serving.server --run MODULE`, which
 applies `patch_cpu_kernel_rebind` and, where needed, `cpu_patches` before vLLM's own entry point
-runs (see there why).
+runs (see there why). With `api_key`, every route but /health wants that key (auth.py); the key
+reaches the server through its environment only, never its command line or log.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import requests
 from eagle3_pipeline import paths
 from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.progress import log
+from eagle3_pipeline.serving import auth
 
 
 @dataclass
@@ -58,12 +61,31 @@ class ServerSpec:
     ready_timeout_s: float = 600.0
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # Where it listens: loopback, or a cluster node's own address (never 0.0.0.0). `port`: the
+    # first port tried, then port+port_step, ... (100 tries); None: any free port.
+    host: str = "127.0.0.1"
+    port: int | None = None
+    port_step: int = 1
+    # Required on every route but /health (auth.py); kept out of repr, argv and logs.
+    api_key: str | None = field(default=None, repr=False)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", first: int | None = None, step: int = 1) -> int:
+    """A port free on `host`: any (first None), else the first of first, first+step, ..."""
+    tries = [0] if first is None else [first + i * step for i in range(100)]
+    for port in tries:
+        if port > 65535:
+            break
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise ServerError(
+        f"no free port on {host} among {first}, {first + step}, ... (100 tried): free one or "
+        "set generate.server_port to another range"
+    )
 
 
 def vllm_env_defaults() -> dict[str, str]:
@@ -135,7 +157,7 @@ def command(spec: ServerSpec, port: int) -> list[str]:
         "--served-model-name",
         spec.served_model_name,
         "--host",
-        "127.0.0.1",
+        spec.host,
         "--port",
         str(port),
         "--max-model-len",
@@ -158,6 +180,8 @@ def command(spec: ServerSpec, port: int) -> list[str]:
         cmd += ["--revision", spec.revision]
     if spec.dtype:
         cmd += ["--dtype", spec.dtype]
+    if spec.api_key:  # the key itself goes through the environment (_launch)
+        cmd += ["--middleware", auth.MIDDLEWARE]
     return cmd + list(spec.extra_args)
 
 
@@ -192,7 +216,7 @@ def _watch(cmd: list[str]) -> int:
     return code if code >= 0 else 128 - code  # killed by signal N: exit 128+N, as a shell says
 
 
-def _stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
     """SIGTERM the whole process group (vLLM forks workers), then SIGKILL, and reap."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
@@ -236,9 +260,11 @@ def wait_ready(url: str, proc: subprocess.Popen | None, spec: ServerSpec) -> Non
     )
 
 
-def _launch(spec: ServerSpec) -> tuple[subprocess.Popen, str]:
-    """Start the server of `spec` under the watchdog; (process, base URL), not yet ready."""
-    port = free_port()
+def launch(spec: ServerSpec) -> tuple[subprocess.Popen, str]:
+    """Start the server of `spec` under the watchdog; (process, base URL), not yet ready.
+
+    The caller stops it with `stop`; `serve` and `serve_many` do both."""
+    port = free_port(spec.host, spec.port, spec.port_step)
     spec.log_file.parent.mkdir(parents=True, exist_ok=True)
     cmd = command(spec, port)
     with open(spec.log_file, "w") as logf:
@@ -249,10 +275,10 @@ def _launch(spec: ServerSpec) -> tuple[subprocess.Popen, str]:
             stdin=subprocess.PIPE,
             stdout=logf,
             stderr=subprocess.STDOUT,
-            env=server_env(spec.env),
+            env=server_env(spec.env) | ({auth.KEY_VAR: spec.api_key} if spec.api_key else {}),
             start_new_session=True,
         )
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{spec.host}:{port}"
     log("vllm", f"starting server for {spec.model} on {url} (log: {spec.log_file})")
     return proc, url
 
@@ -276,7 +302,7 @@ def serve_many(specs: list[ServerSpec]) -> Iterator[list[str]]:
         t0 = time.monotonic()
         urls = []
         for spec in specs:
-            proc, url = _launch(spec)
+            proc, url = launch(spec)
             started.append(proc)
             urls.append(url)
         for spec, proc, url in zip(specs, started, urls, strict=True):
@@ -285,7 +311,7 @@ def serve_many(specs: list[ServerSpec]) -> Iterator[list[str]]:
         yield urls
     finally:
         for proc in started:
-            _stop(proc)
+            stop(proc)
         if previous in (signal.SIG_DFL, None):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 

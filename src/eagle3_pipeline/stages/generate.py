@@ -2,25 +2,34 @@
 
 Training on the verifier's own answers (not on a dataset's) is what makes the drafter predict the
 verifier. Reasoning and answer are kept apart, as the vLLM server's reasoning parser does.
-Backends: `hf` (in-process transformers) or `vllm` (an OpenAI-compatible server, started here on
-loopback or given by `generate.server_url`). Resumable by id: finished rows are journaled in
-data/.work/generate/ and never requested again. Rows that fail for good go to failed.jsonl
-with the reason; a rerun (`dvc repro -f generate`) retries only those.
+Backends: `hf` (in-process transformers) or `vllm`: OpenAI-compatible servers, started here (one
+on loopback; with `cluster.engine: ray`, one per node, each by a worker on its node) or run by the
+user (`generate.server_url` or a fleet in `generate.server_urls`). Prompts are leased to the
+servers (cluster/leases.py): each to one server, a lost server's prompts to the others. Servers
+started here want a fresh API key per run on every route (serving/auth.py); the user's get
+EAGLE3_VLLM_API_KEY. Resumable by id: finished rows are journaled in data/.work/generate/ (by
+this process alone) and never requested again. Rows that fail for good go to failed.jsonl with
+the reason; a rerun (`dvc repro -f generate`) retries only those.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+import secrets
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline import atomic, chat_template, paths, readers, resume, stage_deps, turns
+from eagle3_pipeline.cluster import leases
+from eagle3_pipeline.cluster import record as cluster_record
 from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
 from eagle3_pipeline.serving import server as vllm_server
-from eagle3_pipeline.serving.chat import ChatClient, ChatReply, Outcome, complete_all
+from eagle3_pipeline.serving.chat import API_KEY_VAR, ChatClient, ChatReply
 from eagle3_pipeline.serving.server_spec import SERVED_NAME, verifier_spec
 from eagle3_pipeline.verifier import identity as vf
 from eagle3_pipeline.verifier import loading
@@ -31,7 +40,14 @@ OUTPUT_DIR = paths.GENERATED
 SERVER_LOG = paths.SCRATCH / STAGE / "server.log"
 # How rows are fetched, not what they contain (the verifier is fingerprinted by its config):
 # changing these keeps the journal, e.g. to finish a killed run on a teammate's server.
-_NOT_FINGERPRINTED = {"server_url", "concurrency", "max_retries", "request_timeout_s"}
+_NOT_FINGERPRINTED = {
+    "server_url",
+    "server_urls",
+    "server_port",
+    "concurrency",
+    "max_retries",
+    "request_timeout_s",
+}
 
 
 def split_reasoning(text: str) -> tuple[str | None, str]:
@@ -159,22 +175,52 @@ def _run_hf(params: Params, rows: list[dict], done: set[str], journal: resume.Jo
         _generate_hf(params, todo, journal, progress)
 
 
-def server_spec(params: Params) -> vllm_server.ServerSpec:
+def server_spec(params: Params, log_file: Path = SERVER_LOG) -> vllm_server.ServerSpec:
     """The verifier's server with the stage's reasoning parser."""
-    return verifier_spec(params, SERVER_LOG, reasoning_parser=params.generate.reasoning_parser)
+    return verifier_spec(params, log_file, reasoning_parser=params.generate.reasoning_parser)
+
+
+def _client(params: Params, url: str, api_key: str | None) -> ChatClient:
+    g = params.generate
+    return ChatClient(url, g.request_timeout_s, g.max_retries, stage=STAGE, api_key=api_key)
 
 
 @contextlib.contextmanager
-def _server(params: Params) -> Iterator[str]:
-    """Base URL of generate.server_url, or of a server started here and always stopped after."""
-    url = params.generate.server_url
-    if url:
-        log(STAGE, f"using the server at {url} (its own reasoning parser and chat template apply)")
-        yield url.rstrip("/")
+def _servers(params: Params) -> Iterator[list[leases.Server]]:
+    """The servers of generate.server_url(s), or servers started here and always stopped after:
+    one on loopback, or one per node with cluster.engine: ray."""
+    g = params.generate
+    given = g.given_servers
+    if given:
+        what = "the server" if len(given) == 1 else f"{len(given)} servers"
+        log(
+            STAGE,
+            f"using {what} at {', '.join(given)} (their own reasoning parser and chat template "
+            "apply)",
+        )
+        key = os.environ.get(API_KEY_VAR) or None
+        yield [leases.Server(url, _client(params, url, key)) for url in given]
         return
     vf.check_remote_code(params, vf.read_config(params.verifier.path))
-    with vllm_server.serve(server_spec(params)) as started:
-        yield started
+    key = secrets.token_urlsafe(32)  # this run's only: never in a log, params, provenance or DVC
+    if params.cluster.engine == "ray":
+        from eagle3_pipeline.cluster import servers as node_servers
+
+        n = params.cluster.nodes
+
+        def spec_for(i: int, node) -> vllm_server.ServerSpec:
+            spec = server_spec(params, SERVER_LOG.with_name(f"server-{i}.log"))
+            spec.host, spec.api_key = node.address, key  # the node's cluster address only
+            spec.port, spec.port_step = (g.server_port + i if g.server_port else None), n
+            return spec
+
+        with node_servers.node_servers(params.cluster, spec_for, params.verifier.path) as up:
+            yield [leases.Server(x.node.label, _client(params, x.url, key), x.gone) for x in up]
+        return
+    spec = server_spec(params)
+    spec.api_key, spec.port = key, g.server_port
+    with vllm_server.serve(spec) as url:
+        yield [leases.Server(url, _client(params, url, key))]
 
 
 def request_body(params: Params, model: str, row: dict) -> dict[str, Any]:
@@ -221,39 +267,82 @@ def _reply_row(prepared: dict, reply: ChatReply) -> dict:
 
 
 def _log_hint(params: Params) -> str:
-    return "" if params.generate.server_url else f"see {SERVER_LOG}; "
+    if params.generate.given_servers:
+        return ""
+    if params.cluster.engine == "ray":
+        return f"see {SERVER_LOG.with_name('server-*.log')}; "
+    return f"see {SERVER_LOG}; "
+
+
+def _lost_error(params: Params, servers: list[leases.Server], lost: leases.AllLost) -> ServerError:
+    hint = f"{_log_hint(params)}rerun to resume: finished rows are kept"
+    if len(servers) == 1:
+        url = servers[0].client.base_url
+        return ServerError(f"the server at {url} stopped answering ({lost.last.reason}); {hint}")
+    return ServerError(
+        f"all {len(servers)} servers were lost with {lost.unsettled} prompts unanswered (last: "
+        f"{lost.last.server}: {lost.last.reason}); {hint}"
+    )
 
 
 def _generate_vllm(
-    params: Params, url: str, rows: list[dict], journal: resume.Journal, progress: Progress
+    params: Params,
+    servers: list[leases.Server],
+    rows: list[dict],
+    journal: resume.Journal,
+    progress: Progress,
+    tally: leases.Tally,
 ) -> list[dict]:
-    """Request every row; journal each answer as it arrives; return the failures {id, reason}."""
+    """Lease every row to the servers; journal each answer as it arrives (here alone, once per
+    id); return the failures {id, reason}."""
     g = params.generate
-    client = ChatClient(url, g.request_timeout_s, g.max_retries, stage=STAGE)
-    model = client.served_model(SERVED_NAME)
+    models = {s.label: s.client.served_model(SERVED_NAME) for s in servers}
     by_id = {r["id"]: r for r in rows}
+    bodies = {r["id"]: request_body(params, SERVED_NAME, r) for r in rows}
     failed: list[dict] = []
 
-    def on_outcome(out: Outcome) -> None:
-        if out.reply is None:
-            failed.append({"id": out.id, "reason": out.error})
-            if out.transient and not client.answers():
-                raise ServerError(
-                    f"the server at {url} stopped answering ({out.id}: {out.error}); "
-                    f"{_log_hint(params)}rerun to resume: finished rows are kept"
-                )
-        else:
-            journal.append([_reply_row(by_id[out.id], out.reply)])
-        noted = failed or client.retries
-        progress.advance(1, f"({len(failed)} failed, {client.retries} retries)" if noted else "")
+    def advance() -> None:
+        retries = sum(s.client.retries for s in servers)
+        noted = failed or retries
+        progress.advance(1, f"({len(failed)} failed, {retries} retries)" if noted else "")
 
-    jobs = [(r["id"], request_body(params, model, r)) for r in rows]
-    complete_all(client, jobs, g.concurrency, on_outcome)
+    def on_reply(got: leases.Reply) -> None:
+        journal.append([_reply_row(by_id[got.id], got.reply)])
+        advance()
+
+    def on_failed(got: leases.Failed) -> None:
+        failed.append({"id": got.id, "reason": got.error})
+        advance()
+
+    def on_lost(lost: leases.Lost) -> None:
+        given_up = f", {len(lost.given_up)} given up" if lost.given_up else ""
+        log(
+            STAGE,
+            f"server {lost.server} lost ({lost.reason}): {len(lost.released)} prompts back to "
+            f"the others{given_up}",
+        )
+
+    try:
+        leases.run(
+            servers,
+            [r["id"] for r in rows],
+            bodies,
+            models,
+            g.concurrency,
+            on_reply,
+            on_failed,
+            on_lost,
+            max_losses=params.cluster.max_attempts,
+            tally=tally,
+        )
+    except leases.AllLost as exc:
+        raise _lost_error(params, servers, exc) from None
     failed.sort(key=lambda f: f["id"])
     if failed and len(failed) == len(rows):
         first = failed[0]
+        where = servers[0].client.base_url if len(servers) == 1 else f"{len(servers)} servers"
         raise ServerError(
-            f"all {len(rows)} requests to {url} failed, e.g. {first['id']}: {first['reason']}; "
+            f"all {len(rows)} requests to {where} failed, e.g. {first['id']}: {first['reason']}; "
             f"{_log_hint(params)}fix the cause and rerun"
         )
     return failed
@@ -264,14 +353,15 @@ def _run_vllm(
     rows: list[dict],
     done: set[str],
     journal: resume.Journal,
-    server: Callable[[], str],
+    servers: Callable[[], list[leases.Server]],
+    tally: leases.Tally,
 ) -> list[dict]:
     """Only rows not yet journaled are requested; no server is started when none are left."""
     todo = [r for r in rows if r["id"] not in done]
     progress = Progress(STAGE, len(rows), already_done=len(rows) - len(todo))
     if not todo:
         return []
-    return _generate_vllm(params, server(), todo, journal, progress)
+    return _generate_vllm(params, servers(), todo, journal, progress, tally)
 
 
 def _rounds(
@@ -306,29 +396,50 @@ def _write_outputs(results: list[dict], failed: list[dict]) -> None:
         atomic.write_jsonl(tmp / "failed.jsonl", failed)
 
 
+def _identity_note(params: Params, servers: list[leases.Server]) -> None:
+    c = params.generate.concurrency
+    if len(servers) > 1 and c > 1:
+        log(
+            STAGE,
+            f"{len(servers)} servers, generate.concurrency={c} each: rows equal a one-server "
+            "run's bytes only at concurrency 1 (kernels are not batch-invariant; "
+            "docs/cluster.md)",
+        )
+
+
 def run(params: Params) -> None:
     rows = _rows(params)
     vf.read_config(params.verifier.path)  # a clear error before anything else when missing
     journal = resume.Journal(resume.scratch_dir(STAGE, _fingerprint(params)) / "done.jsonl")
     failed: list[dict] = []
     asked: list[str] = []
+    tally = leases.Tally()
+    g = params.generate
+    if params.cluster.engine == "ray" and g.backend == "hf":
+        log(STAGE, "backend hf runs on this node only (cluster.engine: ray needs backend vllm)")
+    fleet: list[list[leases.Server]] = []
     with contextlib.ExitStack() as stack:
-        urls: list[str] = []
 
-        def server() -> str:  # started once, at the first round with work left
-            if not urls:
-                urls.append(stack.enter_context(_server(params)))
-            return urls[0]
+        def servers() -> list[leases.Server]:  # started once, at the first round with work left
+            if not fleet:
+                fleet.append(stack.enter_context(_servers(params)))
+                _identity_note(params, fleet[0])
+            return fleet[0]
 
         for k, round_rows in _rounds(params, rows, journal):
             if k > 1:
                 log(STAGE, f"turn {k}: {len(round_rows)} conversations")
             done = {r["id"] for r in journal.read()}
             asked += [r["id"] for r in round_rows]
-            if params.generate.backend == "vllm":
-                failed += _run_vllm(params, round_rows, done, journal, server)
+            if g.backend == "vllm":
+                failed += _run_vllm(params, round_rows, done, journal, servers, tally)
             else:
                 _run_hf(params, round_rows, done, journal)
+    if fleet and (params.cluster.engine == "ray" or g.server_urls):
+        engine = "ray" if not g.given_servers else "server_urls"
+        cluster_record.write(
+            STAGE, {"engine": engine, "concurrency_per_server": g.concurrency} | tally.record()
+        )
     finished = {r["id"]: r for r in journal.read()}
     results = [finished[i] for i in asked if i in finished]
     failed.sort(key=lambda f: f["id"])

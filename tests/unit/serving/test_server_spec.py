@@ -113,7 +113,7 @@ def test_every_vllm_start_loads_the_pinned_verifier(
         yield "http://127.0.0.1:1"
 
     monkeypatch.setattr(vllm_server, "serve", fake_serve)
-    with generate._server(params):
+    with generate._servers(params):  # one on loopback (cluster.engine: local)
         pass
 
     def fake_measure(spec: ServerSpec, conversations: list, settings: oe.Settings):

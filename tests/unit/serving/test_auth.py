@@ -1,0 +1,98 @@
+"""serving/auth.py and the keyed server start: every route but /health wants the key (vLLM's own
+--api-key leaves /invocations, /metrics and more open); the key reaches the server through its
+environment, never its command line, its log or a repr. A real keyed vLLM server:
+tests/e2e/test_cluster_generate.py."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from eagle3_pipeline.serving import auth
+from eagle3_pipeline.serving import server as vllm_server
+from eagle3_pipeline.serving.server import ServerSpec
+
+KEY = "k" * 43
+
+
+def _call(path: str, headers: dict[str, str], method: str = "GET") -> int:
+    """The status the middleware answers (200: passed on to the app)."""
+    sent: list[dict] = []
+
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b""}
+
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+    }
+    asyncio.run(auth.RequireKey(app)(scope, receive, send))
+    return sent[0]["status"]
+
+
+def test_every_route_but_health_wants_the_key(monkeypatch) -> None:
+    monkeypatch.setenv(auth.KEY_VAR, KEY)
+    good = auth.bearer(KEY)
+    for path in ("/v1/chat/completions", "/invocations", "/metrics", "/tokenize", "/v1/models"):
+        assert _call(path, {}) == 401, path
+        assert _call(path, {"Authorization": "Bearer nope"}) == 401, path
+        assert _call(path, {"Authorization": f"Basic {KEY}"}) == 401, path
+        assert _call(path, good) == 200, path
+    assert _call("/health", {}) == 200  # readiness only
+    assert _call("/v1/models", {}, method="OPTIONS") == 200
+
+
+def test_the_middleware_refuses_to_run_without_a_key(monkeypatch) -> None:
+    monkeypatch.delenv(auth.KEY_VAR, raising=False)
+    with pytest.raises(RuntimeError, match="needs VLLM_API_KEY"):
+        auth.RequireKey(lambda *a: None)
+
+
+def test_a_keyed_server_gets_its_key_by_environment_only(tmp_path: Path, monkeypatch) -> None:
+    started: dict = {}
+
+    class FakePopen:
+        pid = 1
+
+        def __init__(self, cmd, env, **kw) -> None:
+            started["cmd"], started["env"] = cmd, env
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    spec = ServerSpec(
+        model="m", log_file=tmp_path / "server.log", host="127.0.0.1", api_key=KEY, port=None
+    )
+    proc, url = vllm_server.launch(spec)
+    assert url.startswith("http://127.0.0.1:")
+    cmd = " ".join(started["cmd"])
+    assert KEY not in cmd and "--api-key" not in cmd
+    assert f"--middleware {auth.MIDDLEWARE}" in cmd and "--host 127.0.0.1" in cmd
+    assert started["env"][auth.KEY_VAR] == KEY
+    assert KEY not in (tmp_path / "server.log").read_text()  # the log starts with the command
+    assert KEY not in repr(spec)
+
+
+def test_an_unkeyed_server_is_started_as_before(tmp_path: Path) -> None:
+    cmd = vllm_server.command(ServerSpec(model="m", log_file=tmp_path / "log"), 8000)
+    assert "--middleware" not in cmd and cmd[cmd.index("--host") + 1] == "127.0.0.1"
+
+
+def test_free_port_tries_its_range_in_steps() -> None:
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        assert vllm_server.free_port("127.0.0.1", taken, 3) == taken + 3
+    assert vllm_server.free_port("127.0.0.1", taken, 3) == taken
