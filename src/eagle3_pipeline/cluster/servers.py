@@ -34,6 +34,10 @@ class ServerWorker:
 
     def __init__(self, cwd: str, env: dict[str, str]) -> None:
         os.chdir(cwd)  # the actor owns its process: relative paths mean the driver's
+        # The server's environment is the driver's, as a server it starts itself would get:
+        # Ray sets OMP_NUM_THREADS to the actor's CPUs, which would change vLLM's threads.
+        if "OMP_NUM_THREADS" not in env:
+            os.environ.pop("OMP_NUM_THREADS", None)
         os.environ.update(env)
         self.proc: subprocess.Popen | None = None
 
