@@ -170,6 +170,14 @@ def outcome(node: Node, ref) -> Outcome:
         return Outcome(node, None, f"{type(exc).__name__}: {first}")
 
 
+def wait_any(refs: list):
+    """The first of `refs` to finish (done, failed or lost)."""
+    import ray
+
+    ready, _ = ray.wait(list(refs), num_returns=1)
+    return ready[0]
+
+
 def cancel(refs: list) -> None:
     """Kill workers still running (their commands get SIGTERM through the parent-death signal)."""
     import ray

@@ -18,8 +18,6 @@ from eagle3_pipeline.progress import log
 
 def run_shards(stage: str, params_path: str, c: ClusterParams) -> dict:
     """Run every shard of `stage` on the cluster; returns the provenance: which node did which."""
-    import ray
-
     nodes = engine.choose_nodes(c)
     n = len(nodes)
     log(stage, f"cluster: {n} shards on {n} nodes ({', '.join(x.label for x in nodes)})")
@@ -43,9 +41,9 @@ def run_shards(stage: str, params_path: str, c: ClusterParams) -> dict:
                     f"cluster: shards {todo} of {stage} have no node left to run on (lost: "
                     f"{', '.join(sorted(lost))}): add nodes, then rerun (finished work is kept)"
                 )
-            ready, _ = ray.wait(list(running), num_returns=1)
-            shard, node = running.pop(ready[0])
-            out = engine.outcome(node, ready[0])
+            ref = engine.wait_any(list(running))
+            shard, node = running.pop(ref)
+            out = engine.outcome(node, ref)
             history.append(
                 {"shard": shard, "node": node.label, "rc": out.rc, "error": out.error or None}
             )
