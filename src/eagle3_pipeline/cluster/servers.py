@@ -89,12 +89,12 @@ def node_servers(
     """Start one server on each of cluster.nodes nodes (after the pre-flight); yield those that
     became ready (a node whose server did not start is left out, logged; none: ServerError);
     always stop them and end their workers."""
+    engine.connect(c)  # first: it sets what Ray reads when it is imported (the cluster's token)
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from eagle3_pipeline.cluster import preflight
 
-    engine.connect(c)
     nodes = engine.choose_nodes(c)
     preflight.check(nodes, c, verifier_path)
     actor_class = ray.remote(ServerWorker)

@@ -173,6 +173,8 @@ class ChatClient:
                 return data
             if attempt == self.max_retries:
                 break
+            if self.cancelled.is_set():  # its server was given up meanwhile: no retry to log
+                raise RequestFailed("cancelled")
             delay = self.backoff(attempt)
             with self._lock:
                 self.retries += 1
