@@ -1,0 +1,212 @@
+"""generate across a real 2-node Ray cluster (the project's own `make cluster-local`): one vLLM
+server per node, each on its node's address with the run's API key on every route; one server
+killed mid-run, its prompts finished on the other node; the rows byte-identical to a
+single-node run at generate.concurrency 1 (the condition under which greedy rows are the same
+bytes at all: docs/cluster.md); the provenance names both nodes and the re-leased prompts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+from generate_workspace import prepare_rows
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+N_ROWS = 16
+GENERATE = {
+    "backend": "vllm",
+    "concurrency": 1,
+    "max_new_tokens": 96,
+    "temperature": 0.0,
+    "chat_template_kwargs": {"thinking": True},
+}  # servers on ports 8410-8419: the cluster's from 8410, the single node's 8416
+RAY_PORTS = range(6410, 6420)
+READY = re.compile(r"cluster: server on (\S+) ready at (http://\S+)")
+
+
+def _env() -> dict[str, str]:
+    return os.environ | {"OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1"}
+
+
+def _workspace(root: Path, verifier: Path, port: int, cluster: dict | None = None) -> Path:
+    root.mkdir()
+    prepare_rows(root, N_ROWS)
+    generate = GENERATE | {"server_port": port}
+    raw = {"seed": 7, "verifier": {"path": str(verifier)}, "generate": generate}
+    if cluster:
+        raw["cluster"] = cluster
+    (root / "params.yaml").write_text(yaml.safe_dump(raw))
+    return root
+
+
+def _eagle3(root: Path, log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "eagle3_pipeline.cli", "generate"],
+            cwd=root,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+        )
+
+
+def _outputs(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((root / "data/generated").iterdir())}
+
+
+def _free_ray_port() -> int:
+    for port in RAY_PORTS:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                return port
+    raise RuntimeError(f"no free port in {RAY_PORTS}")
+
+
+@contextlib.contextmanager
+def _local_cluster(root: Path, nodes: int = 2) -> Iterator[None]:
+    """The project's local cluster, started in the workspace; always stopped."""
+    cmd = [sys.executable, "-m", "eagle3_pipeline.cluster.local"]
+    try:
+        subprocess.run(
+            [*cmd, "up", "--nodes", str(nodes), "--port", str(_free_ray_port())],
+            cwd=root,
+            env=_env(),
+            check=True,
+            timeout=300,
+        )
+        yield
+    finally:
+        subprocess.run([*cmd, "down"], cwd=root, env=_env(), timeout=120)
+
+
+def _server_pids(port: int) -> list[int]:
+    """The watchdog and vLLM processes of the server on `port` (its command line names it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if b"eagle3_pipeline.serving.server" in argv and str(port).encode() in argv:
+                    found.append(int(entry.name))
+    return found
+
+
+def _wait_for(what: str, check, proc: subprocess.Popen, log: Path, timeout_s: float = 600):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        assert proc.poll() is None, f"stage ended before {what}:\n{log.read_text()[-3000:]}"
+        time.sleep(0.1)
+    raise AssertionError(f"no {what} in {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def _answered(url: str, key: bytes) -> float:
+    """Requests the server finished (its /metrics, with the run's key)."""
+    auth = {"Authorization": f"Bearer {key.decode()}"}
+    text = requests.get(f"{url}/metrics", headers=auth, timeout=10)
+    text.raise_for_status()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.text.splitlines()
+        if line.startswith("vllm:request_success_total")
+    )
+
+
+def _journaled(root: Path) -> int:
+    journal = root / "data/.work/generate/done.jsonl"
+    return journal.read_bytes().count(b"\n") if journal.exists() else 0
+
+
+def test_generate_across_two_nodes_survives_a_killed_server_with_identical_rows(
+    tmp_path: Path, tiny_verifier_dir: Path
+) -> None:
+    t0 = time.time()
+    # The single-node run goes on beside the cluster's start and run (its own server and port).
+    single = _workspace(tmp_path / "single", tiny_verifier_dir, 8416)
+    single_log = tmp_path / "single.log"
+    single_run = _eagle3(single, single_log)
+
+    two = _workspace(tmp_path / "two", tiny_verifier_dir, 8410, {"engine": "ray", "nodes": 2})
+    log = tmp_path / "two.log"
+    with _local_cluster(two), contextlib.ExitStack() as stack:
+        stack.callback(lambda: single_run.poll() is None and single_run.kill())
+        proc = _eagle3(two, log)
+        try:
+            ready = _wait_for(
+                "two servers",
+                lambda: (found := READY.findall(log.read_text())) and len(found) == 2 and found,
+                proc,
+                log,
+            )
+            (node_a, url_a), (node_b, url_b) = ready
+            assert node_a != node_b and url_a != url_b
+            port_b = int(url_b.rsplit(":", 1)[1])
+
+            # No open door: the run's key on every route but /health.
+            for url in (url_a, url_b):
+                assert requests.get(f"{url}/health", timeout=10).status_code == 200
+                assert requests.get(f"{url}/v1/models", timeout=10).status_code == 401
+                assert requests.get(f"{url}/metrics", timeout=10).status_code == 401
+                assert requests.post(f"{url}/invocations", json={}, timeout=10).status_code == 401
+            environ = Path(f"/proc/{_server_pids(port_b)[0]}/environ").read_bytes()
+            key = next(v for v in environ.split(b"\0") if v.startswith(b"VLLM_API_KEY="))
+            key = key.split(b"=", 1)[1]
+
+            # Mid-run (on 2 shared cores the first server up often answers most rows).
+            _wait_for("3 journaled rows", lambda: _journaled(two) >= 3, proc, log)
+            assert _answered(url_b, key) < N_ROWS and _journaled(two) < N_ROWS
+            victims = _server_pids(port_b)
+            os.killpg(os.getpgid(victims[0]), signal.SIGKILL)  # the server, not its worker
+            assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        ports = [int(u.rsplit(":", 1)[1]) for u in (url_a, url_b)]
+        deadline = time.monotonic() + 60
+        while any(map(_server_pids, ports)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_server_pids, ports)), "a server outlived the stage"
+        assert single_run.wait(timeout=600) == 0, single_log.read_text()[-3000:]
+
+    assert _outputs(two) == _outputs(single)  # same bytes as the single-node run
+    text = log.read_text()
+    assert f"server {node_b} lost" in text
+
+    prov = json.loads((two / "metrics/provenance/generate.json").read_text())
+    rec = prov["cluster"]
+    assert rec["engine"] == "ray" and set(rec["servers"]) == {node_a, node_b}
+    assert sum(s["rows"] for s in rec["servers"].values()) == N_ROWS
+    assert [x["server"] for x in rec["lost"]] == [node_b]
+    released = rec["lost"][0]["released"]
+    assert released and set(released) <= set(rec["servers"][node_a]["ids"])
+    assert rec["re_leased"] == released
+
+    # The key: in no log (the stage's, the servers', Ray's), row, journal or record.
+    ray_logs = [p for p in Path("/tmp/ray").rglob("*") if _written_since(p, t0)]
+    for path in [*tmp_path.rglob("*"), *ray_logs]:
+        if path.is_file() and path.stat().st_size < 50_000_000:
+            with contextlib.suppress(OSError):
+                assert key not in path.read_bytes(), path
+
+
+def _written_since(path: Path, t0: float) -> bool:
+    with contextlib.suppress(OSError):
+        return path.is_file() and path.stat().st_mtime >= t0
+    return False
