@@ -28,8 +28,9 @@ from eagle3_pipeline.progress import log
 
 STAGE = "train"
 # After one agent ended badly, how long the others get to end by themselves (a broken collective
-# ends them in seconds) before they are cancelled.
-SETTLE_S = 30.0
+# ends them in seconds) and Ray to report a dead node (measured: a killed local node's task
+# failed with NodeDiedError well within this) before they are cancelled.
+SETTLE_S = 60.0
 
 
 def agent_command(
@@ -206,7 +207,7 @@ def run_across_nodes(
             )
         lost |= {x.node_id for x in gone}
         what = "; ".join(
-            [f"{o.node.label}: {o.error or f'exit {o.rc}'}" for o in attempt.lost]
+            [f"{o.node.label}: {o.error.split('. ')[0] or f'exit {o.rc}'}" for o in attempt.lost]
             + [f"{x.label}: node gone" for x in gone]
         )
         log(
