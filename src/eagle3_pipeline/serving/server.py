@@ -202,12 +202,21 @@ def _sweep_on_eof(orphaned: threading.Event, grace_s: float = 20.0) -> None:
     os.killpg(0, signal.SIGKILL)  # a server deaf to SIGTERM, this watchdog included
 
 
+def _die_with_watchdog() -> None:
+    """In the server's process: SIGKILL when the watchdog dies, however it dies (a Ray worker's
+    exit SIGKILLs the worker's children, the watchdog among them, before it can sweep)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _watch(cmd: list[str]) -> int:
     """Run `cmd` in this process group; kill the group when stdin closes. Exit with its code."""
     # A handler, not SIG_IGN: ignored signals stay ignored across exec, handlers do not. The
     # group's SIGTERM is meant for vLLM; this process exits when vLLM does.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=_die_with_watchdog)
     orphaned = threading.Event()
     threading.Thread(target=_sweep_on_eof, args=(orphaned,), daemon=True).start()
     code = child.wait()

@@ -96,3 +96,30 @@ def test_free_port_tries_its_range_in_steps() -> None:
         taken = held.getsockname()[1]
         assert vllm_server.free_port("127.0.0.1", taken, 3) == taken + 3
     assert vllm_server.free_port("127.0.0.1", taken, 3) == taken
+
+
+def test_the_server_dies_with_its_watchdog_however_the_watchdog_dies() -> None:
+    """Ray SIGKILLs a dead worker's children (the watchdog) before the watchdog can sweep its
+    group: the server must not be orphaned then."""
+    import os
+    import signal
+    import sys
+    import time
+    import uuid
+
+    from server_procs import TAG_VAR, tagged_pids, wait_none_tagged
+
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        vllm_server.watched([sys.executable, "-c", "import time; time.sleep(600)"]),
+        stdin=subprocess.PIPE,
+        env=os.environ | {TAG_VAR: tag},
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 30
+    while len(tagged_pids(tag)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(tagged_pids(tag)) == 2
+    os.kill(proc.pid, signal.SIGKILL)  # the watchdog alone, not its group
+    proc.wait()
+    assert wait_none_tagged(tag, 10) == []
