@@ -69,7 +69,11 @@ def test_extract_fans_out_survives_a_lost_node_and_gives_the_same_store(
         killer.start()
         run = subprocess.run(
             [sys.executable, "-m", "eagle3_pipeline.cli", "extract", "--params", "params.yaml"],
-            cwd=cluster, env=env(site), capture_output=True, text=True, timeout=900,
+            cwd=cluster,
+            env=env(site),
+            capture_output=True,
+            text=True,
+            timeout=900,
         )
         killer.join(timeout=5)
     log = run.stdout + run.stderr

@@ -46,7 +46,10 @@ def local_cluster(
     try:
         subprocess.run(
             [*cmd, "up", "--nodes", str(nodes), "--port", str(port)],
-            cwd=workdir, env=env(), check=True, timeout=300,
+            cwd=workdir,
+            env=env(),
+            check=True,
+            timeout=300,
         )
         yield read_state(workdir / "data/.work/cluster/local.json")
     finally:

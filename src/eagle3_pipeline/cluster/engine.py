@@ -24,7 +24,14 @@ from eagle3_pipeline.params import ClusterParams
 
 # What a worker's command inherits from the driver: the run's settings, never credentials.
 PASSED_ENV_PREFIXES = (
-    "HF_", "VLLM_", "OMP_", "TOKENIZERS_", "TQDM_", "DVC_NO_", "PYTHONHASHSEED", "PYTHONPATH",
+    "HF_",
+    "VLLM_",
+    "OMP_",
+    "TOKENIZERS_",
+    "TQDM_",
+    "DVC_NO_",
+    "PYTHONHASHSEED",
+    "PYTHONPATH",
     "PATH",
 )
 
@@ -137,9 +144,7 @@ def _die_with_parent() -> None:
 
 def _run_command(argv: list[str], cwd: str, env: dict[str, str]) -> dict[str, Any]:
     """Body of a worker: the command in `cwd`, output to the worker's stdout (-> driver)."""
-    proc = subprocess.Popen(
-        argv, cwd=cwd, env={**os.environ, **env}, preexec_fn=_die_with_parent
-    )
+    proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **env}, preexec_fn=_die_with_parent)
     rc = proc.wait()
     return {"rc": rc, "host": socket.gethostname()}
 

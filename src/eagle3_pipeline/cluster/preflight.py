@@ -36,9 +36,7 @@ def _look(repo: str, probe: str, verifier: str | None, python: str) -> dict:
     found["python"] = os.access(python, os.X_OK)
     if verifier is not None:
         where = Path(verifier) if os.path.isabs(verifier) else Path(repo) / verifier
-        found["verifier"] = (where / "config.json").is_file() and any(
-            where.glob("*.safetensors")
-        )
+        found["verifier"] = (where / "config.json").is_file() and any(where.glob("*.safetensors"))
     return found
 
 
