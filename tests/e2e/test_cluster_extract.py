@@ -81,6 +81,8 @@ def test_extract_fans_out_survives_a_lost_node_and_gives_the_same_store(
     assert killed and killed[0], f"no shard ran on the worker node:\n{log[-4000:]}"
     lost = re.search(r"--shard (\d+)/2", killed[0])[1]
     assert f"cluster: shard {lost}/2 lost on" in log, log[-4000:]
+    for i in (0, 1):  # each worker line reaches the driver once (not once per node)
+        assert log.count(f"shard {i}/2: done (") == 1, log[-4000:]
 
     record = json.loads((cluster / "metrics/provenance/extract.json").read_text())["cluster"]
     assert len(set(record["nodes"])) == 2  # distinct Ray node ids

@@ -29,6 +29,7 @@ STATE = STATE_DIR / "local.json"
 TOKEN = STATE_DIR / "auth_token"
 DEFAULT_PORT = 6380
 START_TIMEOUT_S = 120.0
+TEMP_ROOT = "/tmp/ray"  # the head keeps Ray's default; the other nodes get folders inside
 
 
 def auth_env(token_path: Path) -> dict[str, str]:
@@ -83,7 +84,10 @@ def up(nodes: int, port: int = DEFAULT_PORT, num_cpus: int = 1, state: Path = ST
         if i == 0:
             cmd = [_ray_bin(), "start", "--head", f"--port={port}", "--include-dashboard=false"]
         else:
-            cmd = [_ray_bin(), "start", f"--address={address}"]
+            # Its own temp dir: nodes sharing one would each forward every worker's log lines
+            # to the driver (Ray's log monitor tails the whole session folder), so all doubled.
+            tmp = f"{TEMP_ROOT}/eagle3-p{port}-n{i}"  # short: Ray's socket paths live under it
+            cmd = [_ray_bin(), "start", f"--address={address}", f"--temp-dir={tmp}"]
         log_path = state.parent / f"node-{i}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
