@@ -89,11 +89,17 @@ class _Attempt:
 
 
 def _run_attempt(
-    nodes: list[engine.Node], argv_for: Callable[[int, engine.Node], list[str]], c: ClusterParams
+    nodes: list[engine.Node],
+    argv_for: Callable[[int, engine.Node], list[str]],
+    c: ClusterParams,
+    env_for: Callable[[engine.Node], dict[str, str]] = lambda node: {},
 ) -> _Attempt:
     """Start one agent per node; wait until all ended, or one ended badly and the rest settled."""
     attempt = _Attempt(nodes)
-    running = {engine.submit(n, argv_for(i, n), c): n for i, n in enumerate(nodes)}
+    running = {}
+    for i, n in enumerate(nodes):
+        env = env_for(n)
+        running[engine.submit(n, argv_for(i, n), c, **({"env": env} if env else {}))] = n
     deadline: float | None = None
     try:
         while running:
@@ -124,11 +130,15 @@ def run_across_nodes(
     args: list[str],
     before_attempt: Callable[[int], None] = lambda attempt: None,
     check_nodes: Callable[[list[engine.Node]], None] = lambda nodes: None,
+    exclude: frozenset[str] = frozenset(),
+    env_for: Callable[[engine.Node], dict[str, str]] = lambda node: {},
 ) -> dict:
     """Train on cluster.training_nodes nodes x `nproc` processes; returns the provenance record.
 
     `before_attempt(n)` runs before attempt n (1, 2, ...): it tidies the checkpoints so the
     agents resume from the last complete epoch. `check_nodes` vets the first attempt's nodes.
+    `exclude`: node ids never used (online training's inference pool); `env_for(node)`: what
+    that node's agent gets on top of the run's environment (its Mooncake address).
     """
     n = c.training_nodes
     lost: set[str] = set()  # node ids gone from the cluster
@@ -136,7 +146,7 @@ def run_across_nodes(
     t0 = time.monotonic()
     for number in range(1, c.max_attempts + 1):
         try:
-            nodes = engine.choose_nodes(c, exclude=lost, count=n)
+            nodes = engine.choose_nodes(c, exclude=lost | exclude, count=n)
         except PipelineError as exc:
             if number == 1:
                 raise
@@ -168,7 +178,7 @@ def run_across_nodes(
                 args=args,
             )
 
-        attempt = _run_attempt(nodes, argv_for, c)
+        attempt = _run_attempt(nodes, argv_for, c, env_for)
         history.append(
             {
                 "attempt": number,

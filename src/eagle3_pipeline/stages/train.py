@@ -15,7 +15,9 @@ eagle3_pipeline.stages.train --worker PARAMS_JSON` per process); this process pr
 data, forwards SIGINT/SIGTERM to torchrun and copies the outputs; rank 0 alone logs. With
 `cluster.engine: ray` the same workers run under one torchrun agent per training node
 (cluster.torchrun: c10d rendezvous; a lost node relaunches from the last complete epoch), and
-which node did what goes into the stage's provenance.
+which node did what goes into the stage's provenance. Online mode there splits the cluster:
+vLLM (and a Mooncake master) on an inference pool, torchrun on the training pool
+(cluster/online.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_pipeline import atomic, disk, paths, readers, resume
+from eagle3_pipeline.cluster import online as cluster_online
 from eagle3_pipeline.drafter.conventions import RunConventions, run_conventions
 from eagle3_pipeline.errors import ParamsError, StoreError
 from eagle3_pipeline.params import Params
@@ -125,19 +128,43 @@ def _train_online(params: Params, inputs: TrainInputs) -> None:
     """Train with a vLLM server's hidden states, after checking it against the store."""
     t = params.train
     online.check_layer_order(inputs.aux, inputs.final)
+    layer_ids = [*inputs.aux, inputs.final]
+    if cluster_online.uses_pools(params):
+        # Across nodes: vLLM (and the Mooncake master) on the inference pool, torchrun on the
+        # training pool (cluster/online.py).
+        with cluster_online.inference_pool(params, layer_ids, inputs.work) as pools:
+            source = pools.source
+            _check_and_log(params, inputs, source)
+            _launch(_served_by(params, source, pools.master), inputs, pools)
+        return
     os.environ.update(mooncake_env(t.online))  # torchrun workers inherit it
-    with online.online_source(params, [*inputs.aux, inputs.final], inputs.work) as source:
-        stored = sum(s["hidden_states_file"] is not None for s in inputs.samples)
-        online.log_plan(t.online, source, len(inputs.samples), stored)
-        flags = online.speculators_flags(t.online, source.endpoint)
-        _check_server(params, inputs, source, flags)
+    with online.online_source(params, layer_ids, inputs.work) as source:
+        flags = _check_and_log(params, inputs, source)
         if _distributed(params):
             # Workers read the server from params: the one started here, or the given one.
-            served = t.online.model_copy(update={"endpoint": source.endpoint})
-            train = t.model_copy(update={"online": served})
-            _launch(params.model_copy(update={"train": train}), inputs)
+            _launch(_served_by(params, source), inputs)
         else:
             _train(params, inputs, flags, source)
+
+
+def _check_and_log(params: Params, inputs: TrainInputs, source: online.OnlineSource) -> dict:
+    """Log the plan, check the server against the store; speculators' online flags."""
+    t = params.train
+    stored = sum(s["hidden_states_file"] is not None for s in inputs.samples)
+    online.log_plan(t.online, source, len(inputs.samples), stored)
+    flags = online.speculators_flags(t.online, source.endpoint)
+    _check_server(params, inputs, source, flags)
+    return flags
+
+
+def _served_by(params: Params, source: online.OnlineSource, master: str | None = None) -> Params:
+    """Params whose train.online names this server (and Mooncake master): what workers read."""
+    o = params.train.online
+    update: dict = {"endpoint": source.endpoint}
+    if master:
+        update["mooncake"] = o.mooncake.model_copy(update={"master": master})
+    train = params.train.model_copy(update={"online": o.model_copy(update=update)})
+    return params.model_copy(update={"train": train})
 
 
 def _check_server(
@@ -282,21 +309,24 @@ def _distributed(params: Params) -> bool:
     return params.train.nproc > 1 or _nodes(params) > 1
 
 
-def _launch(params: Params, inputs: TrainInputs) -> None:
+def _launch(params: Params, inputs: TrainInputs, pools: cluster_online.Pools | None = None) -> None:
     """One `_worker_main` per process under torchrun, from the params written to scratch."""
     spec = inputs.work / "params.json"
     atomic.write_text(spec, params.model_dump_json())
     worker = ["--worker", str(spec.resolve())]
     if params.cluster.engine == "ray":
-        _launch_on_cluster(params, inputs, worker)
+        _launch_on_cluster(params, inputs, worker, pools)
         return
     cmd = torchrun_command(params.train.nproc, __name__, worker)
     log(STAGE, f"launching {params.train.nproc} processes ({params.train.strategy}): torchrun")
     launch_torchrun(cmd)
 
 
-def _launch_on_cluster(params: Params, inputs: TrainInputs, worker: list[str]) -> None:
-    """One torchrun agent per training node (cluster.torchrun); record who did what."""
+def _launch_on_cluster(
+    params: Params, inputs: TrainInputs, worker: list[str], pools: cluster_online.Pools | None
+) -> None:
+    """One torchrun agent per training node (cluster.torchrun), on the training pool when
+    online training has one; record who did what."""
     from eagle3_pipeline.cluster import engine, preflight, record, torchrun
 
     c = params.cluster
@@ -327,7 +357,11 @@ def _launch_on_cluster(params: Params, inputs: TrainInputs, worker: list[str]) -
         worker,
         before_attempt=before_attempt,
         check_nodes=lambda nodes: preflight.check(nodes, c, params.verifier.path),
+        exclude=frozenset(n.node_id for n in pools.inference) if pools else frozenset(),
+        env_for=pools.trainer_env if pools else lambda node: {},
     )
+    if pools:
+        rec["online"] = pools.record
     record.write(STAGE, rec)
 
 

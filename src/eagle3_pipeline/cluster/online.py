@@ -1,0 +1,289 @@
+"""Online training across nodes: vLLM on an inference pool, torchrun on a training pool.
+
+TorchSpec's shape on our engine. With `cluster.engine: ray`, `train.hidden_states: online` and
+no `train.online.endpoint`, the first `cluster.nodes - cluster.training_nodes` nodes are the
+inference pool and the rest the training pool (torchrun agents run there only). The first
+inference node serves the verifier with `extract_hidden_states` (a servers.ServerWorker actor
+pinned to it, listening on its cluster address); with `train.online.backend: mooncake` it also
+runs `mooncake_master` (a MasterWorker actor, bound to the node's address, stopped at the end)
+unless params.yaml names `train.online.mooncake.master`. Every Mooncake client registers its own
+node's address (MOONCAKE_LOCAL_HOSTNAME): the server its node's, each trainer its node's, the
+driver (whose pre-flight probe reads one sample) its own. With `backend: file` the server writes
+into the run's scratch folder, which the cluster pre-flight guarantees every node shares.
+
+The server takes no API key: speculators' online dataloader (speculators 0.9
+`train/data.py`) builds its client with `api_key="EMPTY"` and cannot send one; the server
+listens on the node's cluster address only, never 0.0.0.0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from eagle3_pipeline.cluster import engine
+from eagle3_pipeline.errors import ParamsError, ServerError
+from eagle3_pipeline.params import ClusterParams, OnlineParams, Params
+from eagle3_pipeline.progress import log
+from eagle3_pipeline.training.online import OnlineSource
+from eagle3_pipeline.training.online_backend import LOCAL_HOSTNAME_VAR
+
+if TYPE_CHECKING:  # vLLM loads it by module path; named here so train's DVC deps list it
+    from eagle3_pipeline.serving import cpu_mooncake_connector  # noqa: F401
+
+STAGE = "train"
+MASTER_READY_S = 30.0
+STOP_TIMEOUT_S = 60.0
+# hs_connectors' Mooncake connector needs an accelerator; ours is the same on one and falls back
+# to the CPU without (the driver cannot tell what the inference node has).
+CPU_MOONCAKE_CONNECTOR = "CPUMooncakeHiddenStatesConnector"
+CPU_MOONCAKE_MODULE = "eagle3_pipeline.serving.cpu_mooncake_connector"
+
+
+def uses_pools(params: Params) -> bool:
+    """Online training whose server this stage starts on a Ray cluster: separate pools."""
+    t = params.train
+    return params.cluster.engine == "ray" and t.hidden_states == "online" and not t.online.endpoint
+
+
+def inference_count(c: ClusterParams) -> int:
+    """Nodes of the inference pool (cluster.nodes - cluster.train_nodes), or refuse."""
+    n = c.nodes - c.training_nodes
+    if n < 1:
+        raise ParamsError(
+            f"params.yaml: cluster.train_nodes={c.training_nodes} leaves no inference node of "
+            f"cluster.nodes={c.nodes} for online training's vLLM server: set cluster.train_nodes "
+            f"below cluster.nodes (e.g. {max(c.nodes - 1, 1)}), raise cluster.nodes, or give "
+            "train.online.endpoint"
+        )
+    return n
+
+
+def given_master(o: OnlineParams) -> str | None:
+    """train.online.mooncake.master when params.yaml sets it (used as is), else None (started)."""
+    return o.mooncake.master if "master" in o.mooncake.model_fields_set else None
+
+
+def split_pools(
+    nodes: list[engine.Node], c: ClusterParams
+) -> tuple[list[engine.Node], list[engine.Node]]:
+    """(inference pool, training pool): the first cluster.nodes - train_nodes nodes, the rest."""
+    n = inference_count(c)
+    return nodes[:n], nodes[n : c.nodes]
+
+
+class MasterWorker:
+    """The actor's body: `mooncake_master` on this node, bound to its cluster address."""
+
+    def __init__(self, cwd: str) -> None:
+        os.chdir(cwd)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, host: str, log_file: str) -> str:
+        """Start the master on free ports of `host`; its host:port once it listens."""
+        rpc_port, metrics_port = _free_port(host), _free_port(host)
+        cmd = [
+            str(Path(sys.executable).parent / "mooncake_master"),
+            f"--rpc_address={host}",
+            f"--rpc_port={rpc_port}",
+            f"--metrics_host={host}",
+            f"--metrics_port={metrics_port}",
+            "--logtostderr",
+        ]
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        with open(log_file, "wb") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=engine._die_with_parent,
+            )  # fmt: skip
+        deadline = time.monotonic() + MASTER_READY_S
+        while True:
+            if self.proc.poll() is not None:
+                raise ServerError(
+                    f"mooncake_master on {host} exited {self.proc.returncode} (log: {log_file})"
+                )
+            with contextlib.suppress(OSError), socket.create_connection((host, rpc_port), 0.5):
+                return f"{host}:{rpc_port}"
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerError(
+                    f"mooncake_master not listening on {host}:{rpc_port} after "
+                    f"{MASTER_READY_S:.0f} s (log: {log_file})"
+                )
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Pools:
+    """The started inference side and the nodes the trainers may use."""
+
+    source: OnlineSource
+    inference: list[engine.Node]
+    training: list[engine.Node]
+    master: str | None  # the Mooncake master's host:port (backend mooncake)
+    record: dict = field(default_factory=dict)  # provenance: who served, where the master ran
+
+    def trainer_env(self, node: engine.Node) -> dict[str, str]:
+        """What a training node's agent (and its workers) needs on top of the run's env."""
+        return {LOCAL_HOSTNAME_VAR: node.address} if self.master else {}
+
+
+def mooncake_kv_config(params: Params, master: str, host: str) -> dict:
+    """hs_connectors' vLLM-side Mooncake config for a server on `host`, with our connector."""
+    import argparse
+
+    from hs_connectors import MooncakeBackend
+
+    m = params.train.online.mooncake
+    parser = argparse.ArgumentParser()
+    MooncakeBackend.add_launch_args(parser)
+    args = parser.parse_args(
+        [
+            f"--mooncake-master={master}",
+            f"--mooncake-metadata-server={m.metadata_server}",
+            f"--mooncake-protocol={m.protocol}",
+            f"--mooncake-device={m.device}",
+            f"--mooncake-global-segment-gib={m.global_segment_gib}",
+            f"--mooncake-local-buffer-gib={m.local_buffer_gib}",
+        ]
+    )
+    config = MooncakeBackend.build_kv_transfer_config(args)
+    config["kv_connector_extra_config"]["mooncake"]["local_hostname"] = host
+    config["kv_connector"] = CPU_MOONCAKE_CONNECTOR
+    config["kv_connector_module_path"] = CPU_MOONCAKE_MODULE
+    return config
+
+
+def _with_kv_config(extra_args: list[str], config: dict) -> list[str]:
+    out = list(extra_args)
+    i = out.index("--kv-transfer-config")
+    out[i + 1] = json.dumps(config)
+    return out
+
+
+def _started(ref, what: str, node: engine.Node) -> str:
+    """What an actor's start returned, or one line naming the node and the cause."""
+    import ray
+
+    try:
+        return ray.get(ref)
+    except (ray.exceptions.RayError, ServerError) as exc:
+        cause = getattr(exc, "cause", None) or exc
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[-1]
+        raise ServerError(f"cluster: no {what} on {node.label}: {first}") from None
+
+
+@contextlib.contextmanager
+def inference_pool(params: Params, layer_ids: list[int], work: Path) -> Iterator[Pools]:
+    """Start the inference pool's server (and master); yield the pools; always stop both."""
+    c = params.cluster
+    o = params.train.online
+    inference_count(c)  # refuse before connecting
+    engine.connect(c)
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from eagle3_pipeline.cluster import preflight
+    from eagle3_pipeline.cluster.servers import ServerWorker
+    from eagle3_pipeline.serving.hidden_state_server import hidden_state_spec
+    from eagle3_pipeline.serving.hidden_states import clear_dir
+
+    nodes = engine.choose_nodes(c)
+    preflight.check(nodes, c, params.verifier.path)
+    inference, training = split_pools(nodes, c)
+    node = inference[0]
+    log(
+        STAGE,
+        f"cluster: inference pool {', '.join(n.label for n in inference)}; training pool "
+        f"{', '.join(n.label for n in training)}",
+    )
+
+    def pinned(cls, **options):
+        return ray.remote(cls).options(
+            max_restarts=0,
+            max_concurrency=4,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+            **options,
+        )
+
+    actors = []
+    try:
+        master = None
+        record: dict = {
+            "backend": o.backend,
+            "pools": {
+                "inference": [n.label for n in inference],
+                "training": [n.label for n in training],
+            },
+        }
+        if o.backend == "mooncake":
+            master = given_master(o)
+            if master:
+                record["mooncake_master"] = {"address": master, "node": None, "given": True}
+            else:
+                worker = pinned(MasterWorker, num_cpus=0).remote(os.getcwd())
+                actors.append(worker)
+                log_file = str((work / "mooncake-master.log").resolve())
+                master = _started(
+                    worker.start.remote(node.address, log_file), "mooncake_master", node
+                )
+                record["mooncake_master"] = {"address": master, "node": node.label}
+                log(STAGE, f"cluster: mooncake_master on {node.label} at {master}")
+            # The driver's pre-flight probe is a Mooncake client too: its own node's address.
+            os.environ[LOCAL_HOSTNAME_VAR] = ray.util.get_node_ip_address()
+        storage = work / "online-hidden-states"
+        clear_dir(storage)
+        log_file = work / "vllm-online.log"
+        spec = hidden_state_spec(params, layer_ids, storage, log_file)
+        spec.host = node.address  # the node's cluster address only
+        if master:
+            spec.env = {**(spec.env or {}), LOCAL_HOSTNAME_VAR: node.address}
+            kv = mooncake_kv_config(params, master, node.address)
+            spec.extra_args = _with_kv_config(spec.extra_args, kv)
+        server = pinned(
+            ServerWorker, num_cpus=c.worker.num_cpus, num_gpus=c.worker.num_gpus
+        ).remote(os.getcwd(), engine.passed_env())
+        actors.append(server)
+        log(STAGE, f"cluster: starting vLLM (extract_hidden_states) on {node.label} ({log_file})")
+        url = _started(server.start.remote(spec), "vLLM server", node)
+        log(STAGE, f"cluster: vLLM on {node.label} ready at {url}")
+        record["vllm"] = {"node": node.label, "url": url}
+        source = OnlineSource(
+            f"{url}/v1", f"the vLLM server on {node.label} at {url} (log: {log_file})"
+        )
+        yield Pools(source, inference, training, master, record)
+    finally:
+        stops = [a.stop.remote() for a in reversed(actors)]
+        with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+            ray.wait(stops, num_returns=len(stops), timeout=STOP_TIMEOUT_S)
+        for a in actors:
+            with contextlib.suppress(ray.exceptions.RayError, ValueError):
+                ray.kill(a, no_restart=True)

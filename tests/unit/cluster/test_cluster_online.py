@@ -1,0 +1,98 @@
+"""Online training across nodes: the pool split, its refusal, and the trainers' placement."""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle3_pipeline.cluster import engine, torchrun
+from eagle3_pipeline.cluster import online as cluster_online
+from eagle3_pipeline.errors import ParamsError
+from eagle3_pipeline.params import ClusterParams, Params
+from eagle3_pipeline.training.online import OnlineSource
+
+A = engine.Node("a" * 56, "10.0.0.1")
+B = engine.Node("b" * 56, "10.0.0.2")
+C = engine.Node("c" * 56, "10.0.0.3")
+ARGS = ["--worker", "/ws/data/.work/train/params.json"]
+
+
+def test_first_nodes_serve_the_rest_train() -> None:
+    c = ClusterParams(engine="ray", nodes=3, train_nodes=2)
+    assert cluster_online.split_pools([A, B, C], c) == ([A], [B, C])
+    c = ClusterParams(engine="ray", nodes=3, train_nodes=1)
+    assert cluster_online.split_pools([A, B, C], c) == ([A, B], [C])
+
+
+@pytest.mark.parametrize(("nodes", "train_nodes"), [(2, None), (2, 2), (1, None), (2, 3)])
+def test_no_inference_node_is_refused_with_the_fix(nodes: int, train_nodes: int | None) -> None:
+    c = ClusterParams(engine="ray", nodes=nodes, train_nodes=train_nodes)
+    with pytest.raises(ParamsError) as err:
+        cluster_online.inference_count(c)
+    line = str(err.value)
+    assert "\n" not in line
+    assert "params.yaml: cluster.train_nodes=" in line and "set cluster.train_nodes below" in line
+
+
+def _params(**train) -> Params:
+    return Params.model_validate(
+        {
+            "verifier": {"source": "pretrained", "path": "data/verifier"},
+            "cluster": {"engine": "ray", "nodes": 2, "train_nodes": 1},
+            "train": {"hidden_states": "online"} | train,
+        }
+    )
+
+
+def test_pools_only_when_this_stage_starts_the_server_on_a_ray_cluster() -> None:
+    assert cluster_online.uses_pools(_params())
+    assert not cluster_online.uses_pools(_params(online={"endpoint": "http://h:8000/v1"}))
+    assert not cluster_online.uses_pools(_params(hidden_states="store"))
+    local = _params().model_copy(update={"cluster": ClusterParams()})
+    assert not cluster_online.uses_pools(local)
+
+
+def test_mooncake_server_config_names_the_node_and_master() -> None:
+    params = _params(online={"backend": "mooncake"})
+    kv = cluster_online.mooncake_kv_config(params, "10.0.0.1:50051", "10.0.0.1")
+    assert kv["kv_connector"] == "CPUMooncakeHiddenStatesConnector"
+    assert kv["kv_connector_module_path"] == "eagle3_pipeline.serving.cpu_mooncake_connector"
+    mooncake = kv["kv_connector_extra_config"]["mooncake"]
+    assert mooncake["master_server_address"] == "10.0.0.1:50051"
+    assert mooncake["local_hostname"] == "10.0.0.1"
+
+
+def test_trainers_run_on_the_training_pool_with_their_own_mooncake_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    submitted: list[tuple[str, dict]] = []
+
+    def choose(c, exclude=frozenset(), count=None):
+        return [n for n in (A, B, C) if n.node_id not in exclude][:count]
+
+    def submit(node, argv, c, env=None):
+        submitted.append((node.label, env or {}))
+        return node.label
+
+    monkeypatch.setattr(engine, "choose_nodes", choose)
+    monkeypatch.setattr(engine, "submit", submit)
+    monkeypatch.setattr(engine, "outcome", lambda node, ref: engine.Outcome(node, 0))
+    monkeypatch.setattr(torchrun, "_wait", lambda refs, timeout: [refs[0]] if refs else [])
+    pools = cluster_online.Pools(OnlineSource("http://10.0.0.1:8000/v1", "x"), [A], [B, C], "m")
+    c = ClusterParams(engine="ray", nodes=3, train_nodes=2)
+    record = torchrun.run_across_nodes(
+        c, 1, "eagle3_pipeline.stages.train", ARGS,
+        exclude=frozenset({A.node_id}), env_for=pools.trainer_env,
+    )  # fmt: skip
+    assert record["nodes"] == [B.label, C.label]
+    assert submitted == [
+        (B.label, {"MOONCAKE_LOCAL_HOSTNAME": "10.0.0.2"}),
+        (C.label, {"MOONCAKE_LOCAL_HOSTNAME": "10.0.0.3"}),
+    ]
+    no_master = cluster_online.Pools(pools.source, [A], [B, C], None)
+    assert no_master.trainer_env(B) == {}
+
+
+def test_a_master_in_params_is_used_else_one_is_started() -> None:
+    assert cluster_online.given_master(_params(online={"backend": "mooncake"}).train.online) is None
+    given = _params(online={"backend": "mooncake", "mooncake": {"master": "10.0.0.9:50051"}})
+    assert cluster_online.given_master(given.train.online) == "10.0.0.9:50051"
