@@ -133,6 +133,14 @@ def passed_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV_PREFIXES)}
 
 
+def driver_environ(env: dict[str, str]) -> dict[str, str]:
+    """A worker's environment with `env` (the driver's, passed) over it, as a command the driver
+    started itself would get: without the OMP_NUM_THREADS Ray sets to the worker's CPUs (1 by
+    default), which would run a shard's extraction or a server on one thread."""
+    base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    return {**base, **env}
+
+
 def _die_with_parent() -> None:
     """In the command's process: SIGTERM when the Ray worker dies (a cancelled or lost worker)."""
     import ctypes
@@ -144,7 +152,7 @@ def _die_with_parent() -> None:
 
 def _run_command(argv: list[str], cwd: str, env: dict[str, str]) -> dict[str, Any]:
     """Body of a worker: the command in `cwd`, output to the worker's stdout (-> driver)."""
-    proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **env}, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(argv, cwd=cwd, env=driver_environ(env), preexec_fn=_die_with_parent)
     rc = proc.wait()
     return {"rc": rc, "host": socket.gethostname()}
 
