@@ -1,12 +1,14 @@
 """Train across 2 nodes of a real local Ray cluster: one torchrun agent per node (gloo, c10d).
 
 Two runs of `eagle3 train` on one tiny workspace (noise_std > 0, so the RNG state matters): on
-this machine alone with `train.nproc: 2` (the reference), then on the cluster, 2 nodes x 1
-process, with the second node's torchrun agent SIGKILLed during epoch 2. The driver relaunches
-both agents from epoch 1's checkpoint; the run ends with the reference's weights, bit for bit
-(same world size, same global ranks, so the same samples per rank), and its loss curves; the
-provenance names both nodes, the rendezvous host and both attempts. (Measured once: the same
-cluster run without the kill also equals the reference bit for bit.)
+this machine alone with `train.nproc: 2` (the reference), then on a 3-node cluster, 2 nodes x 1
+process, with the second node lost during epoch 2 (every process of its `ray start` session
+SIGKILLed, raylet and torchrun agent included, as a machine that dies). The driver relaunches
+on the 2 nodes still alive from epoch 1's checkpoint; the run ends with the reference's
+weights, bit for bit (same world size, same global ranks, so the same samples per rank), and
+its loss curves; the provenance names the nodes of each attempt, the rendezvous host and the
+lost node. (Measured once: the same cluster run without the kill also equals the reference bit
+for bit.)
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import csv
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from ray_cluster import kill_session
 from train_workspace import build_workspace, checkpoints, stage_command, stage_env
 
 from eagle3_pipeline.training import checkpoints as ck
@@ -101,9 +103,9 @@ def _steps_logged(root: Path) -> int:
     return max((len(p.read_text().splitlines()) - 1 for p in found), default=0)
 
 
-def _run_killing_an_agent(root: Path) -> str:
-    """Run train; SIGKILL the second node's agent once a step of epoch 2 is logged (read from
-    the files, not from the log, which Ray forwards with a delay)."""
+def _run_losing_a_node(root: Path) -> str:
+    """Run train; once a step of epoch 2 is logged (read from the files, not from the log, which
+    Ray forwards with a delay), kill the whole node that runs the second agent."""
     marker = checkpoints(root) / "0" / ck.COMPLETE_MARKER
     log = root / "killed-run.log"
     with open(log, "w") as fh:
@@ -120,8 +122,7 @@ def _run_killing_an_agent(root: Path) -> str:
             if _steps_logged(root) > epoch_1_steps:
                 pids = _agents(root, host=0)
                 assert len(pids) == 1, pids
-                os.kill(pids[0], signal.SIGKILL)
-                killed = True
+                killed = kill_session(os.getsid(pids[0])) > 0
                 break
             time.sleep(0.02)
         proc.wait(timeout=900)
@@ -158,7 +159,7 @@ def _same(a: dict, b: dict) -> list[str]:
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
-def test_two_nodes_train_like_two_processes_and_survive_a_lost_agent(
+def test_two_nodes_train_like_two_processes_and_survive_a_lost_node(
     tiny_verifier_dir: Path, tmp_path: Path
 ) -> None:
     root = build_workspace(tmp_path / "ws", tiny_verifier_dir, n_train=48, train=TRAIN)
@@ -174,10 +175,10 @@ def test_two_nodes_train_like_two_processes_and_survive_a_lost_agent(
         cluster={"engine": "ray", "nodes": 2, "rdzv_port": rdzv_port, "wait_for_nodes_s": 30},
     )
     t0 = time.monotonic()
-    with _cluster(root):
+    with _cluster(root, nodes=3):  # one to spare
         up_s = time.monotonic() - t0
         t1 = time.monotonic()
-        out = _run_killing_an_agent(root)
+        out = _run_losing_a_node(root)
         killed_s = time.monotonic() - t1
     assert "torchrun through Ray" in out, out[-4000:]
     assert "cluster: attempt 2 resumes after epoch 0" in out, out[-6000:]
@@ -185,10 +186,15 @@ def test_two_nodes_train_like_two_processes_and_survive_a_lost_agent(
     assert _same(reference, _weights(root)) == []
     for name in ("train/loss.tsv", "val/loss.tsv"):
         assert _series(tmp_path / "local", name) == _series(root, name), name
+    assert "lost a node" in out, out[-6000:]
     record = json.loads((root / "metrics/provenance/train.json").read_text())["cluster"]
     assert len(set(record["nodes"])) == 2, record
     assert record["rendezvous"] == record["nodes"][0] and record["world_size"] == 2
-    assert [a["attempt"] for a in record["attempts"]] == [1, 2], record
-    lost = [x for x in record["attempts"][0]["agents"] if x["rc"] == -signal.SIGKILL]
-    assert len(lost) == 1, record
-    print(f"cluster up {up_s:.1f} s, 2-node train with a lost agent {killed_s:.1f} s")
+    first, second = record["attempts"]
+    assert (first["attempt"], second["attempt"]) == (1, 2), record
+    lost = [x for x in first["agents"] if x["rc"] is None]  # the other agent: exit 1 (gloo)
+    assert [x["node"] for x in lost] == [first["nodes"][1]], record  # the second node's agent
+    assert lost[0]["error"].startswith("NodeDiedError"), record
+    assert lost[0]["node"] not in second["nodes"] and len(set(second["nodes"])) == 2, record
+    assert second["nodes"] == record["nodes"]
+    print(f"cluster up {up_s:.1f} s, 2-node train with a lost node {killed_s:.1f} s")

@@ -64,7 +64,7 @@ def processes(pattern: str) -> list[tuple[int, int, str]]:
             continue
         with contextlib.suppress(OSError):
             argv = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            if pattern in argv and "pytest" not in argv:
+            if pattern in argv and int(entry.name) != os.getpid():  # not this test's process
                 found.append((int(entry.name), os.getsid(int(entry.name)), argv))
     return found
 

@@ -23,6 +23,8 @@ from eagle3_pipeline.errors import PipelineError
 from eagle3_pipeline.params import ClusterParams
 
 # What a worker's command inherits from the driver: the run's settings, never credentials.
+# Ray's errors for a task whose node is gone (died under it, or gone before it could start).
+NODE_GONE_ERRORS = ("NodeDiedError", "TaskUnschedulableError")
 PASSED_ENV_PREFIXES = (
     "HF_",
     "VLLM_",
@@ -59,6 +61,12 @@ class Outcome:
     def lost(self) -> bool:
         """Lost, not failed: the node or the process died under the command (rerun elsewhere)."""
         return self.rc is None or self.rc < 0 or self.rc in (137, 143)
+
+    @property
+    def node_died(self) -> bool:
+        """Ray says the node itself is gone (its raylet died), even before the GCS lists it dead
+        (seen: NodeDiedError while the node was still listed alive)."""
+        return self.error.startswith(NODE_GONE_ERRORS)
 
 
 def connect(c: ClusterParams) -> str:

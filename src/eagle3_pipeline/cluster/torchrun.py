@@ -215,7 +215,7 @@ def run_across_nodes(
                 f"{failed.rc}): its error is above; fix it and rerun (it resumes from the last "
                 "complete epoch)"
             )
-        lost |= {x.node_id for x in gone}
+        lost |= {x.node_id for x in gone} | {o.node.node_id for o in attempt.lost if o.node_died}
         what = "; ".join(
             [f"{o.node.label}: {o.error.split('. ')[0] or f'exit {o.rc}'}" for o in attempt.lost]
             + [f"{x.label}: node gone" for x in gone]

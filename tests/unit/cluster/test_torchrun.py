@@ -115,6 +115,24 @@ def test_a_lost_node_relaunches_on_alive_nodes_with_a_new_rendezvous(
     }  # fmt: skip
 
 
+def test_a_node_ray_reports_dead_is_not_chosen_again_while_still_listed_alive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seen on a local cluster: NodeDiedError for B's agent while the GCS still listed B alive;
+    attempt 2 chose B again and was lost at once (TaskUnschedulableError)."""
+
+    class ListedLate(set):
+        def add(self, node_id: str) -> None:  # the GCS has not marked it dead yet
+            pass
+
+    c = ClusterParams(engine="ray", nodes=2)
+    fake = FakeEngine(monkeypatch, [{A.label: 1, B.label: None}, {A.label: 0, C.label: 0}])
+    fake.dead = ListedLate()
+    record = _run(c)
+    assert [label for label, _ in fake.submitted[1]] == [A.label, C.label]
+    assert len(record["attempts"]) == 2
+
+
 def test_a_killed_agent_on_a_live_node_relaunches_there(monkeypatch: pytest.MonkeyPatch) -> None:
     c = ClusterParams(engine="ray", nodes=2)
     fake = FakeEngine(monkeypatch, [{A.label: 1, B.label: -9}, {A.label: 0, B.label: 0}])
