@@ -26,6 +26,8 @@ MODULES = (
     "speculators.train.trainer",
     "hs_connectors.transfer",
     "mooncake.store",  # online mode's two-machine backend (libibverbs in the image)
+    "ray",  # the cluster engine
+    "ray.dashboard.modules.job.job_head",  # a KubeRay RayJob's job API (ray[default])
     "torchvision",
     "torchaudio",
     "torchcodec",
