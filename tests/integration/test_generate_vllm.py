@@ -22,7 +22,7 @@ from fake_openai import row_id as _row_id
 from generate_workspace import output_rows, prepare_rows, vllm_params
 from server_procs import TAG_VAR, tagged_pids, wait_none_tagged
 
-from eagle3_pipeline import chat_template, resume
+from eagle3_pipeline import chat_template, generation_rows, resume
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving import chat as chat_client
 from eagle3_pipeline.serving import server as vllm_server
@@ -80,7 +80,7 @@ def test_rows_are_split_by_the_real_reasoning_parser(
         text = text.removesuffix(tokenizer.eos_token)
         if "</think>" not in text:
             continue
-        assert generate.split_reasoning(text) == (reply.reasoning, reply.content)
+        assert generation_rows.split_reasoning(text) == (reply.reasoning, reply.content)
         checked += 1
         if checked == 3:
             break

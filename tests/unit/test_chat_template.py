@@ -10,7 +10,7 @@ from templates import CHATML_DEFAULT_SYSTEM, CHATML_TOOLS, KIMI_MODEL_OPENS_THIN
 
 from eagle3_pipeline import chat_template
 from eagle3_pipeline.errors import DataError
-from eagle3_pipeline.stages.generate import split_reasoning
+from eagle3_pipeline.generation_rows import split_reasoning
 from eagle3_pipeline.stages.tokenize import tokenize_row
 
 AGENTIC = {

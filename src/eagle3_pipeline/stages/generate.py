@@ -15,14 +15,22 @@ the reason; a rerun (`dvc repro -f generate`) retries only those.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import atomic, chat_template, paths, readers, resume, stage_deps, turns
+from eagle3_pipeline import (
+    atomic,
+    chat_template,
+    generation_rows,
+    paths,
+    readers,
+    resume,
+    stage_deps,
+    turns,
+)
 from eagle3_pipeline.cluster import leases
 from eagle3_pipeline.cluster import record as cluster_record
 from eagle3_pipeline.errors import ServerError
@@ -50,72 +58,12 @@ _NOT_FINGERPRINTED = {
 }
 
 
-def split_reasoning(text: str) -> tuple[str | None, str]:
-    """(reasoning, content) of a completion whose prompt opened `<think>`, exactly as vLLM's
-    deepseek_r1 parser splits it, so both backends write the same rows.
-
-    A `<think>` the model emits itself restarts the reasoning (what precedes it is dropped);
-    without `</think>` the whole text is reasoning that never reached an answer.
-    """
-    before, start, after = text.partition(chat_template.THINK_START)
-    text = after if start else before
-    if chat_template.THINK_END not in text:
-        return text, ""
-    reasoning, _, content = text.partition(chat_template.THINK_END)
-    return reasoning, content
-
-
 def _rows(params: Params) -> list[dict]:
     rows = []
     for split in ("train", "val"):
         for r in readers.read_jsonl(INPUT_DIR / f"{split}.jsonl"):
             rows.append(r | {"split": split})
     return sorted(rows, key=lambda r: r["id"])
-
-
-def _batch_seed(seed: int, ids: list[str]) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{ids[0]}".encode()).digest()[:4], "big")
-
-
-def _row_seed(seed: int, row_id: str) -> int:
-    """Sampling seed of one request: reproducible, and independent of which rows share a batch."""
-    return _batch_seed(seed, [row_id]) & 0x7FFFFFFF
-
-
-def _row(
-    prepared: dict,
-    reasoning: str | None,
-    content: str,
-    finish_reason: str,
-    completion_ids: list[int],
-    prompt_ids: list[int] | None,
-) -> dict:
-    """The output row, the same for both backends. `completion_token_ids` are the ids the
-    verifier emitted, the one that ended its turn included: what tokenize trains on, never the
-    text re-tokenized (which can split differently, and loses what a reasoning parser strips).
-    `prompt_token_ids`: the prompt as the server tokenized it (tokenize checks its own rendering
-    against it)."""
-    tools = {"tools": prepared["tools"]} if prepared.get("tools") else {}
-    return {
-        "id": prepared["id"],
-        "split": prepared["split"],
-        "messages": prepared["messages"],
-        **tools,
-        "reasoning": reasoning,
-        "content": content,
-        "finish_reason": finish_reason,
-        "prompt_token_ids": prompt_ids,
-        "completion_token_ids": completion_ids,
-    }
-
-
-def end_of_turn_ids(tokenizer, model) -> list[int]:
-    """The ids that end a turn: the model's generation config (what vLLM stops on: Kimi ends
-    an assistant turn with `<|im_end|>`, not the tokenizer's `[EOS]`), else the tokenizer's eos."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
 def _generate_hf(
@@ -128,11 +76,11 @@ def _generate_hf(
     tokenizer = loading.load_tokenizer(params)
     tokenizer.padding_side = "left"
     model = loading.load_model(params)
-    ends = end_of_turn_ids(tokenizer, model)
+    ends = generation_rows.end_of_turn_ids(tokenizer, model)
     for batch in batches:
         prompts = [chat_template.render_prompt(tokenizer, r, g.chat_template_kwargs) for r in batch]
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        torch.manual_seed(_batch_seed(params.seed, [r["id"] for r in batch]))
+        torch.manual_seed(generation_rows.batch_seed(params.seed, [r["id"] for r in batch]))
         sampling = (
             {"do_sample": True, "temperature": g.temperature, "top_p": g.top_p}
             if g.temperature > 0
@@ -156,11 +104,15 @@ def _generate_hf(
                 emitted if end is None else emitted[:-1], skip_special_tokens=False
             )
             # As the server: no reasoning parser, no reasoning (the whole reply is the answer).
-            reasoning, content = split_reasoning(text) if g.reasoning_parser else (None, text)
+            reasoning, content = (
+                generation_rows.split_reasoning(text) if g.reasoning_parser else (None, text)
+            )
             # the prompt's ids as the model read them: the batch's, left padding dropped
             prompt_ids = enc["input_ids"][j][enc["attention_mask"][j].bool()].tolist()
             finish = "length" if end is None else "stop"
-            done.append(_row(r, reasoning, content, finish, emitted, prompt_ids))
+            done.append(
+                generation_rows.output_row(r, reasoning, content, finish, emitted, prompt_ids)
+            )
         journal.append(done)
         progress.advance(len(batch))
 
@@ -240,7 +192,7 @@ def request_body(params: Params, model: str, row: dict) -> dict[str, Any]:
         "max_tokens": g.max_new_tokens,
         "temperature": g.temperature,
         "top_p": g.top_p,
-        "seed": _row_seed(params.seed, row["id"]),
+        "seed": generation_rows.row_seed(params.seed, row["id"]),
         "chat_template_kwargs": g.chat_template_kwargs,
         "skip_special_tokens": False,
         "return_token_ids": True,  # the ids tokenize trains on (and the prompt's, to check)
@@ -256,7 +208,7 @@ NO_TOKEN_IDS = (
 def _reply_row(prepared: dict, reply: ChatReply) -> dict:
     if reply.token_ids is None:
         raise ServerError(f"{prepared['id']}: {NO_TOKEN_IDS}")
-    return _row(
+    return generation_rows.output_row(
         prepared,
         reply.reasoning,
         reply.content,

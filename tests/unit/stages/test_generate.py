@@ -13,7 +13,7 @@ from fake_openai import DROP, error, fake_servers, reply, sequence
 from fake_openai import row_id as _row_id
 from generate_workspace import output_rows, prepare_rows, vllm_params
 
-from eagle3_pipeline import atomic, readers, resume
+from eagle3_pipeline import atomic, generation_rows, readers, resume
 from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving import server as vllm_server
@@ -28,11 +28,14 @@ def _reply(reasoning: str | None, content: str | None, finish: str = "stop") -> 
 
 
 def test_split_reasoning() -> None:
-    assert generate.split_reasoning("I think.</think>The answer.") == ("I think.", "The answer.")
-    assert generate.split_reasoning("no end") == ("no end", "")
-    assert generate.split_reasoning("</think>") == ("", "")
+    assert generation_rows.split_reasoning("I think.</think>The answer.") == (
+        "I think.",
+        "The answer.",
+    )
+    assert generation_rows.split_reasoning("no end") == ("no end", "")
+    assert generation_rows.split_reasoning("</think>") == ("", "")
     # as vLLM's deepseek_r1 parser: a <think> the model emits restarts the reasoning
-    assert generate.split_reasoning("a<think>b</think>c</think>d") == ("b", "c</think>d")
+    assert generation_rows.split_reasoning("a<think>b</think>c</think>d") == ("b", "c</think>d")
 
 
 def _setup(tmp: Path, verifier: Path) -> Params:
@@ -118,8 +121,11 @@ def test_tools_reach_the_server_and_the_output_row() -> None:
     # rendered into the prompt; the reply stays raw text (no tool parser runs)
     assert body["tools"] == TOOLS and body["tool_choice"] == "none"
     assert body["return_token_ids"] is True  # tokenize trains on the emitted ids
-    assert generate._row(row | {"tools": TOOLS}, None, "a", "stop", [1], None)["tools"] == TOOLS
-    assert list(generate._row(row, None, "a", "stop", [1], [2])) == [
+    assert (
+        generation_rows.output_row(row | {"tools": TOOLS}, None, "a", "stop", [1], None)["tools"]
+        == TOOLS
+    )
+    assert list(generation_rows.output_row(row, None, "a", "stop", [1], [2])) == [
         "id",
         "split",
         "messages",
@@ -205,7 +211,7 @@ def test_stage_failed_rows_go_to_the_sidecar_and_a_rerun_retries_only_them(
     assert body["chat_template_kwargs"] == {"thinking": True}
     assert body["skip_special_tokens"] is False
     seeds = {_row_id(b): b["seed"] for b in server.bodies}
-    assert seeds["q01"] == generate._row_seed(7, "q01") != seeds["q02"]
+    assert seeds["q01"] == generation_rows.row_seed(7, "q01") != seeds["q02"]
     assert server.requested_ids().count("q05") == 2 and server.requested_ids().count("q03") == 1
 
     # Another server and other fetch settings: what rows contain is unchanged, the journal stays.
