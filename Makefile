@@ -138,9 +138,11 @@ docker:
 
 # A real Ray cluster of NODES nodes on this machine (docs/cluster.md): each node its own `ray start`
 # with its own node id, token authentication on; the cluster profiles find it (cluster.address: auto).
+# NETNS=1: each node but the head in its own network namespace, with its own address (root).
 NODES ?= 2
+NETNS ?=
 cluster-local: venv
-	$(PY) -m eagle3_pipeline.cluster.local up --nodes $(NODES)
+	$(PY) -m eagle3_pipeline.cluster.local up --nodes $(NODES) $(if $(NETNS),--netns)
 
 cluster-down: venv
 	$(PY) -m eagle3_pipeline.cluster.local down

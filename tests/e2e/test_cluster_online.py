@@ -1,10 +1,12 @@
 """Online training across 2 nodes of a real local Ray cluster, hidden states through Mooncake.
 
-`cluster.nodes: 2, train_nodes: 1`: node 0 is the inference pool (vLLM with
-extract_hidden_states and the Mooncake master, both started through Ray on it), node 1 the
-training pool (one torchrun agent). Every row of the tiny workspace is online (no stored row, so
-the synthetic store's random hidden states are never compared with the real verifier's). The
-stage ends green and its provenance names the node that served vLLM and the node that trained.
+`cluster.nodes: 2, train_nodes: 1`: node 0 is the inference pool (vLLM with extract_hidden_states
+and the Mooncake master, both started through Ray on it), node 1 the training pool (one torchrun
+agent), each with its own address (network namespaces, as root), so a server, Mooncake master or
+client bound to the wrong node's address fails here. Every row of the tiny workspace is online (no
+stored row, so the synthetic store's random hidden states are never compared with the real
+verifier's). The stage ends green and its provenance names the node that served vLLM and the node
+that trained.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ray_cluster import free_port, local_cluster
+from ray_cluster import NETNS, free_port, local_cluster
 from train_workspace import build_workspace, checkpoints, stage_command, stage_env
 
 from eagle3_pipeline.store import format as store
@@ -60,7 +62,7 @@ def test_vllm_on_the_inference_node_trainer_on_the_training_node(
     )
     _all_online(root, free_port(29520, 29530))
     t0 = time.monotonic()
-    with local_cluster(root, nodes=2, ports=(6440, 6460)) as state:
+    with local_cluster(root, nodes=2, ports=(6440, 6460), netns=True) as state:
         assert len(state["nodes"]) == 2, state
         t1 = time.monotonic()
         proc = subprocess.run(
@@ -82,6 +84,8 @@ def test_vllm_on_the_inference_node_trainer_on_the_training_node(
     assert online["pools"]["training"] == record["nodes"], record
     assert len(record["nodes"]) == 1 and served_on not in record["nodes"], record
     assert online["mooncake_master"]["node"] == served_on, record
+    if NETNS:  # a label is `address/node id`: two machines, as far as the network goes
+        assert served_on.split("/")[0] != record["nodes"][0].split("/")[0], record
     assert online["backend"] == "mooncake"
     assert "cluster: mooncake_master on" in out, out[-4000:]
     print(f"2-node online train (mooncake) {train_s:.1f} s, {time.monotonic() - t0:.1f} s in all")

@@ -1,14 +1,15 @@
 """Train across 2 nodes of a real local Ray cluster: one torchrun agent per node (gloo, c10d).
 
-Two runs of `eagle3 train` on one tiny workspace (noise_std > 0, so the RNG state matters): on
-this machine alone with `train.nproc: 2` (the reference), then on a 3-node cluster, 2 nodes x 1
-process, with the second node lost during epoch 2 (every process of its `ray start` session
-SIGKILLed, raylet and torchrun agent included, as a machine that dies). The driver relaunches
-on the 2 nodes still alive from epoch 1's checkpoint; the run ends with the reference's
-weights, bit for bit (same world size, same global ranks, so the same samples per rank), and
-its loss curves; the provenance names the nodes of each attempt, the rendezvous host and the
-lost node. (Measured once: the same cluster run without the kill also equals the reference bit
-for bit.)
+Two runs of `eagle3 train` on one tiny workspace (noise_std > 0, so the RNG state matters): on this
+machine alone with `train.nproc: 2` (the reference), then on a 3-node cluster, 2 nodes x 1 process,
+with the second node lost during epoch 2 (every process of its `ray start` session SIGKILLed, raylet
+and torchrun agent included, as a machine that dies). The driver relaunches on the 2 nodes still
+alive from epoch 1's checkpoint; the run ends with the reference's weights, bit for bit (same world
+size, same global ranks, so the same samples per rank), and its loss curves; the provenance names
+the nodes of each attempt, the rendezvous host and the lost node. Each node but the head has its own
+network namespace and address (as root), so the rendezvous and gloo run between addresses as between
+machines. (Measured once: the same cluster run without the kill also equals the reference bit for
+bit.)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from ray_cluster import kill_session
+from ray_cluster import NETNS, kill_session
 from train_workspace import build_workspace, checkpoints, stage_command, stage_env
 
 from eagle3_pipeline.training import checkpoints as ck
@@ -56,7 +57,8 @@ def _cluster(root: Path, nodes: int = 2) -> Iterator[None]:
     cmd = [sys.executable, "-m", "eagle3_pipeline.cluster.local"]
     try:
         subprocess.run(
-            [*cmd, "up", "--nodes", str(nodes), "--port", str(_free_port(6400, 6410))],
+            [*cmd, "up", "--nodes", str(nodes), "--port", str(_free_port(6400, 6410)),
+             *(["--netns"] if NETNS else [])],
             cwd=root, env=_env(), check=True, timeout=300,
         )  # fmt: skip
         yield
@@ -197,4 +199,7 @@ def test_two_nodes_train_like_two_processes_and_survive_a_lost_node(
     assert lost[0]["error"].startswith("NodeDiedError"), record
     assert lost[0]["node"] not in second["nodes"] and len(set(second["nodes"])) == 2, record
     assert second["nodes"] == record["nodes"]
+    if NETNS:  # a label is `address/node id`: each attempt's nodes at distinct addresses
+        for nodes in (first["nodes"], second["nodes"]):
+            assert len({n.split("/")[0] for n in nodes}) == 2, record
     print(f"cluster up {up_s:.1f} s, 2-node train with a lost node {killed_s:.1f} s")

@@ -1,7 +1,9 @@
 """A real local Ray cluster for a test workspace, and a node lost on purpose.
 
 The cluster is the project's own (`python -m eagle3_pipeline.cluster.local up`), started in the
-workspace so that its state and token stay there, always stopped by the context manager.
+workspace so that its state and token stay there, always stopped by the context manager. Where
+addresses matter, each node but the head gets its own network namespace and address (`--netns`,
+which needs root: as root the tests always use it; otherwise the nodes share this address).
 """
 
 from __future__ import annotations
@@ -36,16 +38,24 @@ def free_port(lo: int, hi: int) -> int:
     raise RuntimeError(f"no free port in {lo}-{hi}")
 
 
+NETNS = os.geteuid() == 0  # network namespaces need CAP_NET_ADMIN
+
+
 @contextlib.contextmanager
 def local_cluster(
-    workdir: Path, nodes: int = 2, ports: tuple[int, int] = (6390, 6400)
+    workdir: Path,
+    nodes: int = 2,
+    ports: tuple[int, int] = (6390, 6400),
+    netns: bool = False,
 ) -> Iterator[dict]:
-    """`nodes` Ray nodes started from `workdir`; yields its state record; stops them after."""
+    """`nodes` Ray nodes started from `workdir`; yields its state record; stops them after.
+    `netns`: distinct addresses (when this process may make namespaces: NETNS)."""
     cmd = [sys.executable, "-m", "eagle3_pipeline.cluster.local"]
     port = free_port(*ports)
+    flags = ["--netns"] if netns and NETNS else []
     try:
         subprocess.run(
-            [*cmd, "up", "--nodes", str(nodes), "--port", str(port)],
+            [*cmd, "up", "--nodes", str(nodes), "--port", str(port), *flags],
             cwd=workdir,
             env=env(),
             check=True,

@@ -40,9 +40,32 @@ def test_engine_kwargs_disable_prefix_caching_and_keep_chunked_prefill(verifier)
     assert hf_config["eagle_aux_hidden_state_layer_ids"] == [0, 3, 5, 8]
     conn = kw["kv_transfer_config"]
     assert Path(conn["kv_connector_extra_config"]["shared_storage_path"]).is_absolute()
-    if not torch.cuda.is_available():
-        assert conn["kv_connector_module_path"] == "eagle3_pipeline.serving.cpu_hs_connector"
     assert kw["dtype"] == "float32"  # the verifier's own dtype, as the hf backend computes
+
+
+@pytest.mark.vllm  # imports vLLM (through the connector module)
+def test_connector_is_chosen_by_the_process_that_loads_it(monkeypatch, tmp_path) -> None:
+    """The config names one class for every machine; vLLM's getattr in the serving process
+    resolves it to that machine's: a CPU driver writing a GPU node's config names the right
+    connector, and a driver with CUDA does not force the pinned-memory one on a CPU node."""
+    import importlib
+
+    from eagle3_pipeline.serving import cpu_hs_connector as conn_module
+    from eagle3_pipeline.serving.hidden_states import connector_config
+
+    configs = []
+    for cuda in (False, True):  # the driver's torch: must not matter
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        configs.append(connector_config(tmp_path))
+    assert configs[0] == configs[1]
+    conn = configs[0]
+    module = importlib.import_module(conn["kv_connector_module_path"])  # as vLLM's factory
+    wanted = {False: "CPUHiddenStatesConnector", True: "ReportingHiddenStatesConnector"}
+    for cuda, want in wanted.items():
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        assert getattr(module, conn["kv_connector"]) is getattr(conn_module, want)
+    with pytest.raises(AttributeError):
+        module.NoSuchConnector  # noqa: B018
 
 
 @pytest.mark.vllm  # imports vLLM's argument parser (~10-20 s)

@@ -158,15 +158,44 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _run_command(argv: list[str], cwd: str, env: dict[str, str]) -> dict[str, Any]:
-    """Body of a worker: the command in `cwd`, output to the worker's stdout (-> driver)."""
-    proc = subprocess.Popen(argv, cwd=cwd, env=driver_environ(env), preexec_fn=_die_with_parent)
+def interface_of(address: str) -> str | None:
+    """This machine's network interface holding `address`; None when none does."""
+    import psutil  # vLLM's and Ray's dependency
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    return None
+
+
+def _run_command(
+    argv: list[str], cwd: str, env: dict[str, str], bind_address: str | None = None
+) -> dict[str, Any]:
+    """Body of a worker: the command in `cwd`, output to the worker's stdout (-> driver).
+
+    `bind_address`: the node's cluster address, which gloo's collectives must use: without
+    GLOO_SOCKET_IFNAME gloo binds whatever the hostname resolves to, often 127.0.0.1 (as on
+    Debian's 127.0.1.1), and ranks on other nodes then dial their own loopback. Looked up here,
+    on the node; a GLOO_SOCKET_IFNAME the user set wins."""
+    full = driver_environ(env)
+    if bind_address and "GLOO_SOCKET_IFNAME" not in full:
+        iface = interface_of(bind_address)
+        if iface is not None:
+            full["GLOO_SOCKET_IFNAME"] = iface
+    proc = subprocess.Popen(argv, cwd=cwd, env=full, preexec_fn=_die_with_parent)
     rc = proc.wait()
     return {"rc": rc, "host": socket.gethostname()}
 
 
-def submit(node: Node, argv: list[str], c: ClusterParams, env: dict[str, str] | None = None):
-    """Start `argv` on `node` as a Ray task; returns its ObjectRef (resolve with `outcome`)."""
+def submit(
+    node: Node,
+    argv: list[str],
+    c: ClusterParams,
+    env: dict[str, str] | None = None,
+    bind_collectives: bool = False,
+):
+    """Start `argv` on `node` as a Ray task; returns its ObjectRef (resolve with `outcome`).
+    `bind_collectives`: the command's gloo binds the node's cluster address (torchrun)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -177,7 +206,8 @@ def submit(node: Node, argv: list[str], c: ClusterParams, env: dict[str, str] | 
         scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
         name=f"eagle3:{' '.join(argv[1:4])}",
     )
-    return task.remote(argv, os.getcwd(), {**passed_env(), **(env or {})})
+    env = {**passed_env(), **(env or {})}
+    return task.remote(argv, os.getcwd(), env, node.address if bind_collectives else None)
 
 
 def outcome(node: Node, ref) -> Outcome:

@@ -2,10 +2,11 @@
 
 Each node is its own `ray start --block` process (the first one the head), so the nodes have
 distinct node ids, raylets and object stores exactly as on N machines; they share this machine's
-address and filesystem. Token authentication is on (a per-cluster token in a 0600 file, never
-printed), the dashboard is off. Each node runs in its own session: `down` ends every process of
-those sessions (Ray's workers included) and nothing else, so a user's own Ray on this machine is
-left alone. State: data/.work/cluster/local.json.
+filesystem, and its address unless `--netns` (NETNS=1) gives each node but the head a network
+namespace and an address of its own (cluster/netns.py). Token authentication is on (a
+per-cluster token in a 0600 file, never printed), the dashboard is off. Each node runs in its
+own session: `down` ends every process of those sessions (Ray's workers included) and nothing
+else, so a user's own Ray on this machine is left alone. State: data/.work/cluster/local.json.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 from eagle3_pipeline import atomic, paths
+from eagle3_pipeline.cluster import netns as namespaces
 from eagle3_pipeline.errors import PipelineError
 
 STATE_DIR = paths.SCRATCH / "cluster"
@@ -64,8 +66,15 @@ def _alive_nodes(address: str, env: dict[str, str]) -> int:
     return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout else 0
 
 
-def up(nodes: int, port: int = DEFAULT_PORT, num_cpus: int = 1, state: Path = STATE) -> dict:
-    """Start `nodes` Ray nodes here (head first); returns the state record once all are alive."""
+def up(
+    nodes: int,
+    port: int = DEFAULT_PORT,
+    num_cpus: int = 1,
+    state: Path = STATE,
+    netns: bool = False,
+) -> dict:
+    """Start `nodes` Ray nodes here (head first); returns the state record once all are alive.
+    `netns`: every node but the head in its own network namespace, with its own address."""
     if read_state(state) is not None:
         raise PipelineError(
             f"{state}: a local cluster is already up (make cluster-down first, then "
@@ -77,9 +86,18 @@ def up(nodes: int, port: int = DEFAULT_PORT, num_cpus: int = 1, state: Path = ST
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
     env = {**os.environ, **auth_env(token), "RAY_USAGE_STATS_ENABLED": "0"}
-    address = f"127.0.0.1:{port}"
+    layout = namespaces.Layout(port, nodes) if netns else None
+    address = f"{layout.address(0) if layout else '127.0.0.1'}:{port}"
     common = ["--block", "--num-cpus", str(num_cpus), "--disable-usage-stats"]
     record: dict = {"address": address, "token_path": str(token.resolve()), "nodes": []}
+    if layout is not None:
+        record["netns"] = {"port": port, "nodes": nodes}
+        atomic.write_json(state, record)  # before the first link: `down` removes what exists
+        try:
+            namespaces.create(layout)
+        except PipelineError:
+            down(state)
+            raise
     for i in range(nodes):
         if i == 0:
             cmd = [_ray_bin(), "start", "--head", f"--port={port}", "--include-dashboard=false"]
@@ -88,6 +106,8 @@ def up(nodes: int, port: int = DEFAULT_PORT, num_cpus: int = 1, state: Path = ST
             # to the driver (Ray's log monitor tails the whole session folder), so all doubled.
             tmp = f"{TEMP_ROOT}/eagle3-p{port}-n{i}"  # short: Ray's socket paths live under it
             cmd = [_ray_bin(), "start", f"--address={address}", f"--temp-dir={tmp}"]
+        if layout is not None:
+            cmd = namespaces.wrap(layout, i, [*cmd, f"--node-ip-address={layout.address(i)}"])
         log_path = state.parent / f"node-{i}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
@@ -101,7 +121,9 @@ def up(nodes: int, port: int = DEFAULT_PORT, num_cpus: int = 1, state: Path = ST
                 f"local cluster: node {i} did not join within {START_TIMEOUT_S:.0f} s: see "
                 f"{log_path}"
             )
-        print(f"cluster-local: node {i} up ({'head, ' if i == 0 else ''}{address})", flush=True)
+        where = f"at {layout.address(i)}, " if layout is not None else ""
+        role = "head" if i == 0 else f"joined {address}"
+        print(f"cluster-local: node {i} up ({where}{role})", flush=True)
     return record
 
 
@@ -141,6 +163,8 @@ def down(state: Path = STATE) -> int:
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(_alive(p) for p in left):
             time.sleep(0.2)
+    if "netns" in record:
+        namespaces.remove(namespaces.Layout(record["netns"]["port"], record["netns"]["nodes"]))
     state.unlink(missing_ok=True)
     (state.parent / TOKEN.name).unlink(missing_ok=True)
     return len(pids)
@@ -164,13 +188,16 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--nodes", type=int, default=2)
     start.add_argument("--port", type=int, default=DEFAULT_PORT)
     start.add_argument("--num-cpus", type=int, default=1)
+    start.add_argument(
+        "--netns", action="store_true", help="each node but the head its own network namespace"
+    )
     sub.add_parser("down", help="stop the local cluster")
     args = parser.parse_args(argv)
     try:
         if args.command == "up":
             if args.nodes < 1:
                 raise PipelineError(f"NODES={args.nodes}: need at least 1 node")
-            record = up(args.nodes, args.port, args.num_cpus)
+            record = up(args.nodes, args.port, args.num_cpus, netns=args.netns)
             print(
                 f"cluster-local: {args.nodes} nodes at {record['address']} (token auth on); "
                 "params: cluster.engine: ray, cluster.address: auto; stop: make cluster-down",

@@ -99,7 +99,7 @@ def _run_attempt(
     running = {}
     for i, n in enumerate(nodes):
         env = env_for(n)
-        running[engine.submit(n, argv_for(i, n), c, **({"env": env} if env else {}))] = n
+        running[engine.submit(n, argv_for(i, n), c, env or None, bind_collectives=True)] = n
     deadline: float | None = None
     try:
         while running:

@@ -15,9 +15,11 @@ connector's thread pool, with an "event" that is already done. Everything else (
 lock files, token ids) is the stock behaviour, so readers written for the stock connector read
 our files too.
 
-Used through kv_transfer_config: {"kv_connector": "CPUHiddenStatesConnector",
-"kv_connector_module_path": "eagle3_pipeline.serving.cpu_hs_connector", ...}. Imports vLLM: only
-vLLM (and code that already imported vLLM) should import this module.
+Used through kv_transfer_config: {"kv_connector": "HiddenStatesConnector",
+"kv_connector_module_path": "eagle3_pipeline.serving.cpu_hs_connector", ...}: the name resolves,
+in the process vLLM loads it in, to the class for that machine, so a CPU driver that writes the
+config for a server on a GPU node (online mode on a cluster) names the right one. Imports vLLM:
+only vLLM (and code that already imported vLLM) should import this module.
 """
 
 from __future__ import annotations
@@ -33,8 +35,7 @@ import torch
 from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as _eh
 
-CONNECTOR_NAME = "CPUHiddenStatesConnector"
-GPU_CONNECTOR_NAME = "ReportingHiddenStatesConnector"
+CONNECTOR_NAME = "HiddenStatesConnector"  # resolved by __getattr__ where vLLM runs
 FAILED_SUFFIX = ".failed-"  # <file>.failed-<errno>: the write of <file> failed with that errno
 
 
@@ -128,3 +129,12 @@ class CPUHiddenStatesConnector(ReportingHiddenStatesConnector):
         self._req_copy_events[pending.req_id] = event
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))
+
+
+def __getattr__(name: str) -> type:
+    """`HiddenStatesConnector`: the connector for this process's machine (vLLM's factory looks
+    the class up with getattr in the serving process)."""
+    if name == CONNECTOR_NAME:
+        gpu = torch.cuda.is_available()
+        return ReportingHiddenStatesConnector if gpu else CPUHiddenStatesConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,31 +12,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from eagle3_pipeline.params import Params
-from eagle3_pipeline.serving.hidden_states import check_layer_ids, engine_dtype, vllm_layer_order
+from eagle3_pipeline.serving.hidden_states import (
+    check_layer_ids,
+    connector_config,
+    engine_dtype,
+    vllm_layer_order,
+)
 from eagle3_pipeline.serving.server import ServerSpec
 from eagle3_pipeline.serving.server_spec import verifier_spec
 from eagle3_pipeline.verifier import identity as vf
-
-# serving/cpu_hs_connector.py, named without importing it (it imports vLLM).
-CONNECTOR_MODULE = "eagle3_pipeline.serving.cpu_hs_connector"
-CPU_CONNECTOR = "CPUHiddenStatesConnector"
-GPU_CONNECTOR = "ReportingHiddenStatesConnector"
-
-
-def kv_transfer_config(storage_dir: Path) -> dict[str, Any]:
-    """Our connector writing to `storage_dir` (on GPU the stock one that reports failed writes;
-    on CPU the variant without pinned memory)."""
-    return {
-        "kv_role": "kv_producer",
-        "kv_connector": GPU_CONNECTOR if torch.cuda.is_available() else CPU_CONNECTOR,
-        "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_connector_extra_config": {"shared_storage_path": str(storage_dir.resolve())},
-    }
 
 
 def hidden_state_spec(
@@ -58,6 +44,6 @@ def hidden_state_spec(
         *spec.extra_args,
         "--no-enable-prefix-caching",
         "--kv-transfer-config",
-        json.dumps(kv_transfer_config(storage_dir)),
+        json.dumps(connector_config(storage_dir)),  # chosen where the server runs
     ]
     return spec

@@ -23,7 +23,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file
@@ -36,7 +36,13 @@ from eagle3_pipeline.serving.server import patch_cpu_kernel_rebind, server_env
 from eagle3_pipeline.serving.server_spec import model_args
 from eagle3_pipeline.verifier import identity as vf
 
+if TYPE_CHECKING:  # vLLM loads it by module path; named here so the DVC deps list it
+    from eagle3_pipeline.serving import cpu_hs_connector  # noqa: F401
+
 FAILED_SUFFIX = ".failed-"  # cpu_hs_connector.FAILED_SUFFIX, without importing vLLM
+# serving/cpu_hs_connector.py and its platform-resolved name, without importing vLLM.
+CONNECTOR_MODULE = "eagle3_pipeline.serving.cpu_hs_connector"
+CONNECTOR_NAME = "HiddenStatesConnector"
 _VLLM_DTYPES = {"float32", "bfloat16", "float16"}
 
 
@@ -64,19 +70,12 @@ def engine_dtype(config: dict[str, Any]) -> str:
 def connector_config(storage_dir: Path) -> dict[str, Any]:
     """Our connector (cpu_hs_connector.py), loaded by vLLM by module path: on GPU the stock one
     that reports failed writes, on CPU a variant without pinned memory (the stock one pins memory
-    and kills the engine)."""
-    from eagle3_pipeline.serving import (
-        cpu_hs_connector,  # imports vLLM; vLLM loads it again by name
-    )
-
-    gpu = torch.cuda.is_available()
+    and kills the engine); chosen where vLLM loads it."""
     return {
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(storage_dir.resolve())},
-        "kv_connector": cpu_hs_connector.GPU_CONNECTOR_NAME
-        if gpu
-        else cpu_hs_connector.CONNECTOR_NAME,
-        "kv_connector_module_path": cpu_hs_connector.__name__,
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
     }
 
 

@@ -1,5 +1,6 @@
 """The body of a cluster worker (engine._run_command), run here without Ray: the command gets the
-driver's environment, not the OMP_NUM_THREADS Ray sets in a worker."""
+driver's environment, not the OMP_NUM_THREADS Ray sets in a worker; with a bind address, gloo's
+interface is the one holding it."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ import pytest
 from eagle3_pipeline.cluster import engine
 
 
-def _run(tmp_path: Path, passed: dict[str, str]) -> str:
+def _run(
+    tmp_path: Path, passed: dict[str, str], names=("OMP_NUM_THREADS", "HF_X"), bind=None
+) -> str:
     out = tmp_path / "out.txt"
     code = (
         "import os; e = os.environ.get; "
-        f"print(e('OMP_NUM_THREADS'), e('HF_X'), file=open({str(out)!r}, 'w'))"
+        f"print(*map(e, {list(names)!r}), file=open({str(out)!r}, 'w'))"
     )
     argv = [sys.executable, "-c", code]
-    result = engine._run_command(argv, str(tmp_path), passed)
+    result = engine._run_command(argv, str(tmp_path), passed, bind)
     assert result["rc"] == 0
     return out.read_text().strip()
 
@@ -35,3 +38,19 @@ def test_the_driver_s_own_omp_num_threads_does(
 ) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert _run(tmp_path, {"OMP_NUM_THREADS": "3"}) == "3 None"
+
+
+def test_gloo_binds_the_interface_that_holds_the_node_s_address(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    loopback = engine.interface_of("127.0.0.1")
+    assert loopback is not None and loopback.startswith("lo")
+    assert _run(tmp_path, {}, ["GLOO_SOCKET_IFNAME"], "127.0.0.1") == loopback
+    assert _run(tmp_path, {}, ["GLOO_SOCKET_IFNAME"], None) == "None"  # not asked: unset
+    assert engine.interface_of("203.0.113.77") is None  # no interface: left to gloo
+    assert _run(tmp_path, {}, ["GLOO_SOCKET_IFNAME"], "203.0.113.77") == "None"
+    # the user's choice wins
+    assert _run(tmp_path, {"GLOO_SOCKET_IFNAME": "eth9"}, ["GLOO_SOCKET_IFNAME"], "127.0.0.1") == (
+        "eth9"
+    )

@@ -69,7 +69,8 @@ def test_trainers_run_on_the_training_pool_with_their_own_mooncake_address(
     def choose(c, exclude=frozenset(), count=None):
         return [n for n in (A, B, C) if n.node_id not in exclude][:count]
 
-    def submit(node, argv, c, env=None):
+    def submit(node, argv, c, env=None, bind_collectives=False):
+        assert bind_collectives
         submitted.append((node.label, env or {}))
         return node.label
 

@@ -62,7 +62,8 @@ class FakeEngine:
         self.submitted.append([])
         return nodes[:count]
 
-    def submit(self, node: engine.Node, argv: list[str], c: ClusterParams) -> tuple:
+    def submit(self, node: engine.Node, argv: list[str], c: ClusterParams, env=None, **kw) -> tuple:
+        assert kw == {"bind_collectives": True}  # every agent's gloo on its node's address
         self.submitted[-1].append((node.label, argv))
         return (len(self.submitted), node.label)
 
