@@ -35,6 +35,9 @@ GENERATE = {
     "chat_template_kwargs": {"thinking": True},
 }  # servers on ports 8410-8419: the cluster's from 8410, the single node's 8416
 RAY_PORTS = range(6410, 6420)
+# As root, each node but the head in its own network namespace: a server bound to another
+# node's address (or to 0.0.0.0) would not be found where the stage says it is.
+NETNS = ["--netns"] if os.geteuid() == 0 else []
 READY = re.compile(r"cluster: server on (\S+) ready at (http://\S+)")
 
 
@@ -82,7 +85,7 @@ def _local_cluster(root: Path, nodes: int = 2) -> Iterator[None]:
     cmd = [sys.executable, "-m", "eagle3_pipeline.cluster.local"]
     try:
         subprocess.run(
-            [*cmd, "up", "--nodes", str(nodes), "--port", str(_free_ray_port())],
+            [*cmd, "up", "--nodes", str(nodes), "--port", str(_free_ray_port()), *NETNS],
             cwd=root,
             env=_env(),
             check=True,
@@ -150,6 +153,9 @@ def test_generate_across_two_nodes_survives_a_killed_server_with_identical_rows(
             )
             (node_a, url_a), (node_b, url_b) = ready
             assert node_a != node_b and url_a != url_b
+            if NETNS:  # each server on its own node's address
+                assert url_a.split(":")[1] != url_b.split(":")[1], (url_a, url_b)
+                assert node_a.split("/")[0] in url_a and node_b.split("/")[0] in url_b
             port_a, port_b = (int(u.rsplit(":", 1)[1]) for u in (url_a, url_b))
 
             # Both servers frozen at once: on 2 shared cores the 16 rows take seconds, less
