@@ -6,7 +6,8 @@ with `prompt` = token ids and `max_tokens=1`. For each request it writes
 connector does) and returns its path in `kv_transfer_params.hidden_states_path`, with
 `prompt_token_ids`. `fault` makes it misbehave for the tests of online mode: a file that is
 missing, truncated or NaN; other hidden states (another model) or one layer fewer; `stop()`
-closes it as a dying server does.
+closes it as a dying server does. With `api_key`, every request without `Authorization: Bearer
+<api_key>` is answered 401, as vLLM with `--api-key` does (counted in `refused`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class ReplayServer:
         fault: str | None = None,
         fault_after: int = 0,
         model_root: str = "/models/verifier",
+        api_key: str | None = None,
     ) -> None:
         assert fault is None or fault in FAULTS, fault
         self.states = states
@@ -46,6 +48,8 @@ class ReplayServer:
         self.model_id = model_id  # speculators asks for the trainer's verifier path
         self.model_root = model_root
         self.requests = 0
+        self.api_key = api_key
+        self.refused = 0  # requests without the key
         self.asked: list[tuple[int, ...]] = []  # token ids of each request, in order
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -113,7 +117,24 @@ class ReplayServer:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _refused(self) -> bool:
+                if server.api_key is None:
+                    return False
+                if self.headers.get("Authorization") == f"Bearer {server.api_key}":
+                    return False
+                with server._lock:
+                    server.refused += 1
+                data = b'{"error": "Unauthorized"}'
+                self.send_response(401)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return True
+
             def do_GET(self) -> None:
+                if self._refused():
+                    return
                 self._send(
                     {
                         "object": "list",
@@ -131,6 +152,7 @@ class ReplayServer:
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                self._send(server._answer(body))
+                if not self._refused():
+                    self._send(server._answer(body))
 
         return Handler

@@ -11,9 +11,9 @@ node's address (MOONCAKE_LOCAL_HOSTNAME): the server its node's, each trainer it
 driver (whose pre-flight probe reads one sample) its own. With `backend: file` the server writes
 into the run's scratch folder, which the cluster pre-flight guarantees every node shares.
 
-The server takes no API key: speculators' online dataloader (speculators 0.9
-`train/data.py`) builds its client with `api_key="EMPTY"` and cannot send one; the server
-listens on the node's cluster address only, never 0.0.0.0.
+The server listens on the node's cluster address only, never 0.0.0.0, and wants the run's own
+API key on every route but /health; the trainers get the key in their environment (speculators'
+client is patched to send it: training/speculators_patches.online_api_key).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from eagle3_pipeline.cluster import engine
 from eagle3_pipeline.errors import ParamsError, ServerError
 from eagle3_pipeline.params import ClusterParams, OnlineParams, Params
 from eagle3_pipeline.progress import log
-from eagle3_pipeline.training.online import OnlineSource
+from eagle3_pipeline.training.online import OnlineSource, run_key
+from eagle3_pipeline.training.online import trainer_env as online_trainer_env
 from eagle3_pipeline.training.online_backend import LOCAL_HOSTNAME_VAR
 
 if TYPE_CHECKING:  # vLLM loads it by module path; named here so train's DVC deps list it
@@ -152,8 +153,10 @@ class Pools:
     record: dict = field(default_factory=dict)  # provenance: who served, where the master ran
 
     def trainer_env(self, node: engine.Node) -> dict[str, str]:
-        """What a training node's agent (and its workers) needs on top of the run's env."""
-        return {LOCAL_HOSTNAME_VAR: node.address} if self.master else {}
+        """What a training node's agent (and its workers) needs on top of the run's env: the
+        server's key, and with Mooncake its own node's address."""
+        mooncake = {LOCAL_HOSTNAME_VAR: node.address} if self.master else {}
+        return online_trainer_env(self.source) | mooncake
 
 
 def mooncake_kv_config(params: Params, master: str, host: str) -> dict:
@@ -264,6 +267,7 @@ def inference_pool(params: Params, layer_ids: list[int], work: Path) -> Iterator
         log_file = work / "vllm-online.log"
         spec = hidden_state_spec(params, layer_ids, storage, log_file)
         spec.host = node.address  # the node's cluster address only
+        spec.api_key = run_key()
         if master:
             spec.env = {**(spec.env or {}), LOCAL_HOSTNAME_VAR: node.address}
             kv = mooncake_kv_config(params, master, node.address)
@@ -277,7 +281,9 @@ def inference_pool(params: Params, layer_ids: list[int], work: Path) -> Iterator
         log(STAGE, f"cluster: vLLM on {node.label} ready at {url}")
         record["vllm"] = {"node": node.label, "url": url}
         source = OnlineSource(
-            f"{url}/v1", f"the vLLM server on {node.label} at {url} (log: {log_file})"
+            f"{url}/v1",
+            f"the vLLM server on {node.label} at {url} (log: {log_file})",
+            spec.api_key,
         )
         yield Pools(source, inference, training, master, record)
     finally:

@@ -139,6 +139,7 @@ def _train_online(params: Params, inputs: TrainInputs) -> None:
         return
     os.environ.update(mooncake_env(t.online))  # torchrun workers inherit it
     with online.online_source(params, layer_ids, inputs.work) as source:
+        os.environ.update(online.trainer_env(source))  # this process's trainer, or torchrun's
         flags = _check_and_log(params, inputs, source)
         if _distributed(params):
             # Workers read the server from params: the one started here, or the given one.

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import re
+import secrets
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ import torch
 from eagle3_pipeline.errors import DataError, ServerError, VerifierError
 from eagle3_pipeline.params import OnlineParams, Params
 from eagle3_pipeline.progress import log
+from eagle3_pipeline.serving.chat import API_KEY_VAR
 from eagle3_pipeline.training.online_backend import speculators_flags as backend_flags
 
 # Largest |server - store| / max|store| per layer accepted by the pre-flight probe. The store
@@ -38,10 +41,12 @@ _BACKOFF_BASE = 2
 
 @dataclass(frozen=True)
 class OnlineSource:
-    """Where hidden states come from: the server's /v1 URL and how to name it in errors."""
+    """Where hidden states come from: the server's /v1 URL, how to name it in errors, and the
+    key it wants (the run's own for a server started here; never shown)."""
 
     endpoint: str
     name: str
+    api_key: str | None = field(default=None, repr=False)
 
 
 def check_layer_order(aux: list[int], final: int) -> None:
@@ -80,7 +85,8 @@ def online_source(params: Params, layer_ids: list[int], work: Path) -> Iterator[
     o = params.train.online
     if o.endpoint:
         endpoint = o.endpoint.rstrip("/")
-        yield OnlineSource(endpoint, f"the vLLM server at {endpoint} (train.online.endpoint)")
+        name = f"the vLLM server at {endpoint} (train.online.endpoint)"
+        yield OnlineSource(endpoint, name, os.environ.get(API_KEY_VAR) or None)
         return
     from eagle3_pipeline.serving.hidden_state_server import hidden_state_spec
     from eagle3_pipeline.serving.hidden_states import clear_dir
@@ -90,9 +96,21 @@ def online_source(params: Params, layer_ids: list[int], work: Path) -> Iterator[
     clear_dir(storage)
     log_file = work / "vllm-online.log"
     spec = hidden_state_spec(params, layer_ids, storage, log_file)
+    spec.api_key = run_key()
     log("train", f"starting vLLM with extract_hidden_states, layers {sorted(layer_ids)}")
     with serve(spec) as url:
-        yield OnlineSource(f"{url}/v1", f"the stage's vLLM server at {url} (log: {log_file})")
+        name = f"the stage's vLLM server at {url} (log: {log_file})"
+        yield OnlineSource(f"{url}/v1", name, spec.api_key)
+
+
+def run_key() -> str:
+    """A key for a server this run starts: in no log, params, provenance or DVC file."""
+    return secrets.token_urlsafe(32)
+
+
+def trainer_env(source: OnlineSource) -> dict[str, str]:
+    """What a trainer process needs to reach `source` (its key: training/run.py sends it)."""
+    return {API_KEY_VAR: source.api_key} if source.api_key else {}
 
 
 def transfer_for(args: argparse.Namespace) -> Any:
@@ -120,9 +138,16 @@ def check_server(
     import openai
     from speculators.data_generation.vllm_client import generate_hidden_states
 
-    client = openai.OpenAI(base_url=source.endpoint, api_key="EMPTY", max_retries=0)
+    key = source.api_key or "EMPTY"  # speculators' own placeholder without a key
+    client = openai.OpenAI(base_url=source.endpoint, api_key=key, max_retries=0)
     try:
         model = client.models.list().data[0]
+    except openai.AuthenticationError:
+        given = "the key in " + API_KEY_VAR if source.api_key else "no key"
+        raise ServerError(
+            f"{source.name} answered 401 to {given}: export {API_KEY_VAR} with the server's "
+            "key (its --api-key)"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - one line naming the server
         raise ServerError(f"{source.name} does not answer: {type(exc).__name__}: {exc}") from None
     served = f"'{model.id}' (root {getattr(model, 'root', None) or '?'})"

@@ -28,6 +28,7 @@ import torch
 
 from eagle3_pipeline.drafter.conventions import RunConventions
 from eagle3_pipeline.params import TrainParams
+from eagle3_pipeline.serving.chat import API_KEY_VAR
 from eagle3_pipeline.training.checkpoints import discard_incomplete, exact_resume
 from eagle3_pipeline.training.data import check_layer_count
 from eagle3_pipeline.training.init_from import init_from_checkpoint
@@ -39,6 +40,7 @@ from eagle3_pipeline.training.speculators_patches import (
     hidden_state_noise,
     lm_head_trainable,
     no_progress_bars,
+    online_api_key,
     sampler_rank_guard,
 )
 
@@ -183,6 +185,7 @@ def run_training(
         steps.patched(),
         sampler_rank_guard(),
         no_progress_bars() if os.environ.get("TQDM_DISABLE") else nothing,
+        online_api_key(os.environ.get(API_KEY_VAR)),  # online mode's server key, if any
         # Last: inside the lm_head un-freezing, after exact_resume tidied the scratch dir.
         init_from_checkpoint(
             s.init_from,

@@ -94,6 +94,35 @@ def no_progress_bars() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def online_api_key(key: str | None) -> Iterator[None]:
+    """speculators 0.9's online dataset builds its client with `api_key="EMPTY"`
+    (`train/data.py`), so it cannot reach a server that wants a key: its OpenAI client sends
+    `key` instead, for this run. No key: nothing changes."""
+    if not key:
+        yield
+        return
+    from speculators.train import data
+
+    real = data.openai
+
+    class _Keyed:
+        """speculators' `openai` module, whose OpenAI client presents the run's key."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        @staticmethod
+        def OpenAI(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - openai's name
+            return real.OpenAI(*args, **{**kwargs, "api_key": key})
+
+    data.openai = _Keyed()
+    try:
+        yield
+    finally:
+        data.openai = real
+
+
+@contextlib.contextmanager
 def lm_head_trainable() -> Iterator[None]:
     """Un-freeze the draft lm_head, which `load_verifier_weights` freezes on every build.
 

@@ -78,22 +78,67 @@ def test_trainers_run_on_the_training_pool_with_their_own_mooncake_address(
     monkeypatch.setattr(engine, "submit", submit)
     monkeypatch.setattr(engine, "outcome", lambda node, ref: engine.Outcome(node, 0))
     monkeypatch.setattr(torchrun, "_wait", lambda refs, timeout: [refs[0]] if refs else [])
-    pools = cluster_online.Pools(OnlineSource("http://10.0.0.1:8000/v1", "x"), [A], [B, C], "m")
+    source = OnlineSource("http://10.0.0.1:8000/v1", "x", "run-key")
+    assert "run-key" not in repr(source)
+    pools = cluster_online.Pools(source, [A], [B, C], "m")
     c = ClusterParams(engine="ray", nodes=3, train_nodes=2)
     record = torchrun.run_across_nodes(
         c, 1, "eagle3_pipeline.stages.train", ARGS,
         exclude=frozenset({A.node_id}), env_for=pools.trainer_env,
     )  # fmt: skip
     assert record["nodes"] == [B.label, C.label]
+    key = {"EAGLE3_VLLM_API_KEY": "run-key"}  # the server's key: speculators' client sends it
     assert submitted == [
-        (B.label, {"MOONCAKE_LOCAL_HOSTNAME": "10.0.0.2"}),
-        (C.label, {"MOONCAKE_LOCAL_HOSTNAME": "10.0.0.3"}),
+        (B.label, key | {"MOONCAKE_LOCAL_HOSTNAME": "10.0.0.2"}),
+        (C.label, key | {"MOONCAKE_LOCAL_HOSTNAME": "10.0.0.3"}),
     ]
     no_master = cluster_online.Pools(pools.source, [A], [B, C], None)
-    assert no_master.trainer_env(B) == {}
+    assert no_master.trainer_env(B) == key
+    keyless = cluster_online.Pools(OnlineSource("http://10.0.0.1:8000/v1", "x"), [A], [B], None)
+    assert keyless.trainer_env(B) == {}
 
 
 def test_a_master_in_params_is_used_else_one_is_started() -> None:
     assert cluster_online.given_master(_params(online={"backend": "mooncake"}).train.online) is None
     given = _params(online={"backend": "mooncake", "mooncake": {"master": "10.0.0.9:50051"}})
     assert cluster_online.given_master(given.train.online) == "10.0.0.9:50051"
+
+
+def test_a_server_this_stage_starts_wants_the_run_s_own_key(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """Single node (training/online.py) as across nodes: the run's key on the server, in the
+    source the trainers get, nowhere in its name (which logs and errors print)."""
+    import contextlib
+    import types
+
+    from eagle3_pipeline.serving import hidden_state_server, hidden_states, server
+    from eagle3_pipeline.training import online
+
+    specs = []
+
+    @contextlib.contextmanager
+    def serve(spec):
+        specs.append(spec)
+        yield "http://127.0.0.1:8123"
+
+    monkeypatch.setattr(server, "serve", serve)
+    monkeypatch.setattr(hidden_states, "clear_dir", lambda path: None)
+    monkeypatch.setattr(
+        hidden_state_server, "hidden_state_spec", lambda *a: types.SimpleNamespace(api_key=None)
+    )
+    keys = []
+    for _ in range(2):
+        with online.online_source(_params(), [1, 2], tmp_path) as source:
+            assert source.api_key and source.api_key == specs[-1].api_key
+            assert source.api_key not in source.name + repr(source)
+            assert online.trainer_env(source) == {"EAGLE3_VLLM_API_KEY": source.api_key}
+            keys.append(source.api_key)
+    assert keys[0] != keys[1] and len(keys[0]) >= 32  # per run
+    given = _params(online={"endpoint": "http://h:8000/v1"})
+    monkeypatch.delenv("EAGLE3_VLLM_API_KEY", raising=False)
+    with online.online_source(given, [1, 2], tmp_path) as source:
+        assert source.api_key is None and online.trainer_env(source) == {}
+    monkeypatch.setenv("EAGLE3_VLLM_API_KEY", "users-key")
+    with online.online_source(given, [1, 2], tmp_path) as source:
+        assert source.api_key == "users-key"

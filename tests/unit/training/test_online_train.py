@@ -28,11 +28,13 @@ from train_workspace import (
     stage_env,
 )
 
+from eagle3_pipeline.serving.chat import API_KEY_VAR
 from eagle3_pipeline.store import format as store
 
 pytestmark = pytest.mark.slow
 TRAIN = {"epochs": 2, "keep_last": 1}
 FAST = {"request_timeout_s": 5, "max_retries": 1, "round_trip_retries": 0}
+KEY = "test-online-key-3f9c"
 
 
 def _states(root: Path) -> dict[tuple[int, ...], torch.Tensor]:
@@ -91,11 +93,37 @@ def store_run(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path)
 
 @pytest.fixture(scope="module")
 def online_run(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path) -> tuple:
+    """A server that wants a key, given in EAGLE3_VLLM_API_KEY: the pre-flight probe and
+    speculators' own dataloader (patched: it hard-codes "EMPTY") must both present it."""
     root = _workspace(tmp_path_factory.mktemp("online"), "ws", tiny_verifier_dir)
-    with ReplayServer(_states(root), root / "served", str(tiny_verifier_dir)) as server:
+    served = ReplayServer(_states(root), root / "served", str(tiny_verifier_dir), api_key=KEY)
+    with served as server:
         _go_online(root, server.url)
-        out = run_stage(root)
+        proc = subprocess.run(
+            stage_command(),
+            cwd=root,
+            env=stage_env() | {API_KEY_VAR: KEY},
+            capture_output=True,
+            text=True,
+        )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert server.refused == 0
+    out = proc.stdout + proc.stderr
+    assert KEY not in out  # in no log line
     return root, out, server.requests
+
+
+def test_a_server_wanting_a_key_the_run_lacks_is_refused_naming_the_variable(
+    tmp_path: Path, tiny_verifier_dir: Path
+) -> None:
+    root = _workspace(tmp_path, "ws", tiny_verifier_dir)
+    served = ReplayServer(_states(root), root / "served", str(tiny_verifier_dir), api_key=KEY)
+    with served as server:
+        _go_online(root, server.url)
+        proc = _run(root)  # no EAGLE3_VLLM_API_KEY
+    line = _error_line(proc)
+    assert server.url in line and API_KEY_VAR in line and "401" in line, line
+    assert server.requests == 0 and server.refused == 1  # refused on the model list
 
 
 def test_online_trains_the_store_runs_drafter(store_run: Path, online_run: tuple) -> None:

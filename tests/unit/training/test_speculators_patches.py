@@ -80,3 +80,24 @@ def test_grad_accumulation_steps_every_nth_batch(inputs: dict[str, Any], tmp_pat
     assert counts[1][1:] == ({batches}, batches)
     groups = math.ceil(batches / 3)
     assert counts[3][1:] == ({groups}, groups)
+
+
+def test_online_api_key_is_what_speculators_online_client_sends() -> None:
+    import inspect
+
+    import openai
+    from speculators.train import data
+
+    from eagle3_pipeline.training.speculators_patches import online_api_key
+
+    # speculators' online dataset builds its client through its module's `openai` name
+    assert 'openai.OpenAI(\n            base_url=self.vllm_endpoint, api_key="EMPTY"' in (
+        inspect.getsource(data)
+    )
+    with online_api_key("run-key"):
+        client = data.openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="EMPTY")
+        assert client.api_key == "run-key"
+        assert data.openai.AuthenticationError is openai.AuthenticationError  # the rest as is
+    assert data.openai is openai  # restored
+    with online_api_key(None):
+        assert data.openai is openai  # no key: nothing patched
