@@ -1,47 +1,54 @@
-"""Online training across 2 nodes of a real local Ray cluster, hidden states through Mooncake.
+"""Online training across nodes of a real local Ray cluster, each node with its own address
+(network namespaces, as root), so a server, Mooncake master or client bound to the wrong node's
+address fails here. Every row of the tiny workspace is online (no stored row, so the synthetic
+store's random hidden states are never compared with the real verifier's).
 
-`cluster.nodes: 2, train_nodes: 1`: node 0 is the inference pool (vLLM with extract_hidden_states
-and the Mooncake master, both started through Ray on it), node 1 the training pool (one torchrun
-agent), each with its own address (network namespaces, as root), so a server, Mooncake master or
-client bound to the wrong node's address fails here. Every row of the tiny workspace is online (no
-stored row, so the synthetic store's random hidden states are never compared with the real
-verifier's). The stage ends green and its provenance names the node that served vLLM and the node
-that trained.
+- Mooncake, `cluster.nodes: 2, train_nodes: 1`: node 0 is the inference pool (vLLM with
+  extract_hidden_states and the Mooncake master, both started through Ray on it), node 1 the
+  training pool (one torchrun agent). The stage ends green and its provenance names the node
+  that served vLLM and the node that trained.
+- Files, `cluster.nodes: 3, train_nodes: 1`: the head and one more node are the inference pool
+  (one vLLM on each), the third node trains (one agent, 2 ranks: each rank asks its own
+  server). Once the second server has answered rows of epoch 1 and that epoch's checkpoint is
+  complete, its whole node dies (the node's `ray start` session and the server, SIGKILL): the
+  attempt is lost with it, and the next one resumes after epoch 1 on the server left. The
+  provenance names the servers, the lost one and the requests the other answered.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+import requests
 import yaml
-from ray_cluster import NETNS, free_port, local_cluster
+from ray_cluster import NETNS, free_port, kill_session, local_cluster, processes
 from train_workspace import build_workspace, checkpoints, stage_command, stage_env
 
 from eagle3_pipeline.store import format as store
+from eagle3_pipeline.training import checkpoints as ck
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+READY = re.compile(r"cluster: vLLM on \S+ ready at (http://\S+)")
 
 
-def _all_online(root: Path, rdzv_port: int) -> None:
-    """Online mode with mooncake on a 1 + 1 node cluster; the store holds no sample."""
+def _all_online(root: Path, rdzv_port: int, backend: str, nodes: int) -> None:
+    """Online mode on a cluster of `nodes` (one training node); the store holds no sample."""
     params = yaml.safe_load((root / "params.yaml").read_text())
-    params["train"] |= {
-        "hidden_states": "online",
-        "online": {
-            "backend": "mooncake",
-            "request_timeout_s": 60,
-            "max_retries": 1,
-            "round_trip_retries": 0,
-            "mooncake": {"global_segment_gib": 0.0625, "local_buffer_gib": 0.0625},
-        },
-    }
+    online = {"backend": backend, "request_timeout_s": 60, "max_retries": 1}
+    online |= {"round_trip_retries": 0}
+    if backend == "mooncake":
+        online["mooncake"] = {"global_segment_gib": 0.0625, "local_buffer_gib": 0.0625}
+    params["train"] |= {"hidden_states": "online", "online": online}
     params["cluster"] = {
         "engine": "ray",
-        "nodes": 2,
+        "nodes": nodes,
         "train_nodes": 1,
         "rdzv_port": rdzv_port,
         "wait_for_nodes_s": 30,
@@ -54,13 +61,48 @@ def _all_online(root: Path, rdzv_port: int) -> None:
     store.write_manifest(store_dir, store.layout_of(manifest), {})
 
 
+def _ancestors(pid: int) -> list[int]:
+    out = []
+    while pid > 1:
+        out.append(pid)
+        pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return out
+
+
+def _server(url: str) -> tuple[int, bytes]:
+    """The pid of the vLLM server at `url` (its watchdog) and the run's key, from its env."""
+    port = url.rsplit(":", 1)[1]
+    pids = [p for p, _, argv in processes("eagle3_pipeline.serving.server") if port in argv.split()]
+    assert pids, url
+    environ = Path(f"/proc/{pids[0]}/environ").read_bytes().split(b"\0")
+    return pids[0], next(v for v in environ if v.startswith(b"VLLM_API_KEY=")).split(b"=", 1)[1]
+
+
+def _answered(url: str, key: bytes) -> float:
+    auth = {"Authorization": f"Bearer {key.decode()}"}
+    text = requests.get(f"{url}/metrics", headers=auth, timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:request_success_total")
+    )
+
+
+def _kill_node_of(server_pid: int, state: dict) -> None:
+    """SIGKILL the server's node (its `ray start` session, never the head's) and the server."""
+    sessions = {n["pid"] for n in state["nodes"][1:]}
+    sid = next(os.getsid(p) for p in _ancestors(server_pid) if os.getsid(p) in sessions)
+    os.killpg(os.getpgid(server_pid), signal.SIGKILL)
+    kill_session(sid)
+
+
 def test_vllm_on_the_inference_node_trainer_on_the_training_node(
     tiny_verifier_dir: Path, tmp_path: Path
 ) -> None:
     root = build_workspace(
         tmp_path / "ws", tiny_verifier_dir, n_train=6, n_val=2, train={"epochs": 1}
     )
-    _all_online(root, free_port(29520, 29530))
+    _all_online(root, free_port(29520, 29530), "mooncake", 2)
     t0 = time.monotonic()
     with local_cluster(root, nodes=2, ports=(6440, 6460), netns=True) as state:
         assert len(state["nodes"]) == 2, state
@@ -79,7 +121,8 @@ def test_vllm_on_the_inference_node_trainer_on_the_training_node(
     assert (checkpoints(root) / "0" / "model.safetensors").is_file()
     record = json.loads((root / "metrics/provenance/train.json").read_text())["cluster"]
     online = record["online"]
-    served_on = online["vllm"]["node"]
+    (served,) = online["vllm"]
+    served_on = served["node"]
     assert online["pools"]["inference"] == [served_on], record
     assert online["pools"]["training"] == record["nodes"], record
     assert len(record["nodes"]) == 1 and served_on not in record["nodes"], record
@@ -89,3 +132,63 @@ def test_vllm_on_the_inference_node_trainer_on_the_training_node(
     assert online["backend"] == "mooncake"
     assert "cluster: mooncake_master on" in out, out[-4000:]
     print(f"2-node online train (mooncake) {train_s:.1f} s, {time.monotonic() - t0:.1f} s in all")
+
+
+def test_two_servers_one_per_rank_and_a_lost_inference_node_is_survived(
+    tiny_verifier_dir: Path, tmp_path: Path
+) -> None:
+    root = build_workspace(
+        tmp_path / "ws", tiny_verifier_dir, n_train=6, n_val=2, train={"epochs": 2, "nproc": 2}
+    )
+    _all_online(root, free_port(29530, 29540), "file", 3)
+    marker = checkpoints(root) / "0" / ck.COMPLETE_MARKER
+    log = root / "online-run.log"
+    t0 = time.monotonic()
+    with local_cluster(root, nodes=3, ports=(6460, 6480), netns=True) as state:
+        assert len(state["nodes"]) == 3, state
+        t1 = time.monotonic()
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(
+                stage_command(), cwd=root, env=stage_env() | {"OMP_WAIT_POLICY": "PASSIVE"},
+                stdout=fh, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 600
+            urls: list[str] = []
+            while len(urls) < 2 and proc.poll() is None and time.monotonic() < deadline:
+                urls = READY.findall(log.read_text())
+                time.sleep(0.2)
+            assert len(urls) == 2, log.read_text()[-6000:]
+            pid, key = _server(urls[1])
+            while proc.poll() is None and time.monotonic() < deadline:
+                if marker.is_file() and _answered(urls[1], key) >= 1:  # rank 1's rows
+                    break
+                time.sleep(0.02)
+            assert marker.is_file(), log.read_text()[-6000:]
+            _kill_node_of(pid, state)
+            assert proc.wait(timeout=900) == 0, log.read_text()[-8000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        train_s = time.monotonic() - t1
+    out = log.read_text()
+    assert (checkpoints(root) / "1" / "model.safetensors").is_file()
+    assert "lost an inference server" in out and "resumes after epoch 0" in out, out[-6000:]
+    record = json.loads((root / "metrics/provenance/train.json").read_text())["cluster"]
+    online = record["online"]
+    servers = online["vllm"]
+    served_on = [x["node"] for x in servers]
+    assert online["pools"]["inference"] == served_on and len(set(served_on)) == 2, record
+    assert online["pools"]["training"] == record["nodes"], record
+    assert len(record["nodes"]) == 1 and record["nodes"][0] not in served_on, record
+    assert record["world_size"] == 2, record
+    first, second = record["attempts"]
+    assert first["servers_lost"] == [served_on[1]] and "servers_lost" not in second, record
+    assert servers[1]["lost"] is True and "lost" not in servers[0], record
+    assert servers[0]["requests"] >= 6, record  # its own rank's rows, then the lost one's
+    if NETNS:  # a label is `address/node id`: three machines, as far as the network goes
+        assert len({n.split("/")[0] for n in [*served_on, *record["nodes"]]}) == 3, record
+    assert online["backend"] == "file"
+    total_s = time.monotonic() - t0
+    print(f"3-node online train, a lost server: {train_s:.1f} s, {total_s:.1f} s in all")

@@ -2,16 +2,20 @@
 
 TorchSpec's shape on our engine. With `cluster.engine: ray`, `train.hidden_states: online` and
 no `train.online.endpoint`, the first `cluster.nodes - cluster.training_nodes` nodes are the
-inference pool and the rest the training pool (torchrun agents run there only). The first
-inference node serves the verifier with `extract_hidden_states` (a servers.ServerWorker actor
-pinned to it, listening on its cluster address); with `train.online.backend: mooncake` it also
-runs `mooncake_master` (a MasterWorker actor, bound to the node's address, stopped at the end)
+inference pool and the rest the training pool (torchrun agents run there only). Every inference
+node serves the verifier with `extract_hidden_states` (a servers.ServerWorker actor pinned to it,
+listening on its cluster address); speculators' dataloader takes one `--vllm-endpoint`, so each
+training rank is given one of those servers, round robin by global rank (training/online.py
+`endpoint_for_rank`); with `backend: mooncake`, the first inference node's only (see
+docs/cluster.md). With `train.online.backend: mooncake` the first inference node also runs
+`mooncake_master` (a MasterWorker actor, bound to the node's address, stopped at the end)
 unless params.yaml names `train.online.mooncake.master`. Every Mooncake client registers its own
-node's address (MOONCAKE_LOCAL_HOSTNAME): the server its node's, each trainer its node's, the
-driver (whose pre-flight probe reads one sample) its own. With `backend: file` the server writes
-into the run's scratch folder, which the cluster pre-flight guarantees every node shares.
+node's address (MOONCAKE_LOCAL_HOSTNAME): each server its node's, each trainer its node's, the
+driver (whose pre-flight probe reads one sample from every server) its own. With `backend:
+file` the servers write into the run's scratch folder, which the cluster pre-flight guarantees
+every node shares.
 
-The server listens on the node's cluster address only, never 0.0.0.0, and wants the run's own
+The servers listen on their node's cluster address only, never 0.0.0.0, and want the run's own
 API key on every route but /health; the trainers get the key in their environment (speculators'
 client is patched to send it: training/speculators_patches.online_api_key).
 """
@@ -26,7 +30,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,7 +39,7 @@ from eagle3_pipeline.cluster import engine
 from eagle3_pipeline.errors import ParamsError, ServerError
 from eagle3_pipeline.params import ClusterParams, OnlineParams, Params
 from eagle3_pipeline.progress import log
-from eagle3_pipeline.training.online import OnlineSource, run_key
+from eagle3_pipeline.training.online import ENDPOINTS_VAR, OnlineSource, run_key
 from eagle3_pipeline.training.online import trainer_env as online_trainer_env
 from eagle3_pipeline.training.online_backend import LOCAL_HOSTNAME_VAR
 
@@ -144,19 +148,80 @@ def _free_port(host: str) -> int:
 
 @dataclass
 class Pools:
-    """The started inference side and the nodes the trainers may use."""
+    """The started inference side (one server per inference node) and the training nodes."""
 
-    source: OnlineSource
+    sources: list[OnlineSource]
     inference: list[engine.Node]
     training: list[engine.Node]
     master: str | None  # the Mooncake master's host:port (backend mooncake)
     record: dict = field(default_factory=dict)  # provenance: who served, where the master ran
+    watchers: list[Callable[[], bool]] = field(default_factory=list)  # per server: gone?
+    lost: set[int] = field(default_factory=set)  # servers (indexes) found gone
+
+    @property
+    def alive(self) -> list[OnlineSource]:
+        return [s for i, s in enumerate(self.sources) if i not in self.lost]
+
+    @property
+    def source(self) -> OnlineSource:
+        """The first server alive: the one params name (what a worker falls back to)."""
+        return (self.alive or self.sources)[0]
 
     def trainer_env(self, node: engine.Node) -> dict[str, str]:
         """What a training node's agent (and its workers) needs on top of the run's env: the
-        server's key, and with Mooncake its own node's address."""
+        servers alive (each rank takes one by its rank), their key, with Mooncake its address."""
         mooncake = {LOCAL_HOSTNAME_VAR: node.address} if self.master else {}
-        return online_trainer_env(self.source) | mooncake
+        endpoints = {ENDPOINTS_VAR: ",".join(s.endpoint for s in self.alive)}
+        return online_trainer_env(self.source) | endpoints | mooncake
+
+    def newly_lost(self) -> list[str]:
+        """Servers found gone since the last call (their worker ended or their node died, or
+        /health does not answer): marked lost, named. None left alive: ServerError."""
+        found = []
+        for i, source in enumerate(self.sources):
+            if i in self.lost:
+                continue
+            gone = i < len(self.watchers) and self.watchers[i]()
+            if gone or not _healthy(source):
+                self.lost.add(i)
+                self.record["vllm"][i]["lost"] = True
+                found.append(self.record["vllm"][i]["node"])
+        if found and not self.alive:
+            raise ServerError(
+                f"cluster: every inference server was lost (last: {', '.join(found)}): bring "
+                "the inference nodes back and rerun; it resumes from the last complete epoch"
+            )
+        started_master = self.master and not self.record.get("mooncake_master", {}).get("given")
+        if started_master and self.record["vllm"][0]["node"] in found:
+            raise ServerError(
+                f"cluster: the first inference node {found[0]} was lost, and the Mooncake master "
+                "the stage ran there with it: rerun once it is back (it resumes from the last "
+                "complete epoch), or run a master elsewhere (train.online.mooncake.master)"
+            )
+        return found
+
+    def served(self) -> dict:
+        """The provenance record with each live server's answered requests (its /metrics)."""
+        from eagle3_pipeline.serving.server import metrics
+
+        for i, (entry, source) in enumerate(zip(self.record["vllm"], self.sources, strict=True)):
+            if i in self.lost:
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                found = metrics(source.endpoint.removesuffix("/v1"), source.api_key)
+                entry["requests"] = int(
+                    sum(v for k, v in found.items() if k.startswith("vllm:request_success_total"))
+                )
+        return self.record
+
+
+def _healthy(source: OnlineSource) -> bool:
+    import requests
+
+    try:
+        return requests.get(source.endpoint.removesuffix("/v1") + "/health", timeout=5).ok
+    except requests.RequestException:
+        return False
 
 
 def mooncake_kv_config(params: Params, master: str, host: str) -> dict:
@@ -215,7 +280,7 @@ def inference_pool(params: Params, layer_ids: list[int], work: Path) -> Iterator
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from eagle3_pipeline.cluster import preflight
-    from eagle3_pipeline.cluster.servers import ServerWorker
+    from eagle3_pipeline.cluster.servers import ServerWorker, watcher
     from eagle3_pipeline.serving.hidden_state_server import hidden_state_spec
     from eagle3_pipeline.serving.hidden_states import clear_dir
 
@@ -229,11 +294,11 @@ def inference_pool(params: Params, layer_ids: list[int], work: Path) -> Iterator
         f"{', '.join(n.label for n in training)}",
     )
 
-    def pinned(cls, **options):
+    def pinned(cls, at: engine.Node, **options):
         return ray.remote(cls).options(
             max_restarts=0,
             max_concurrency=4,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(at.node_id, soft=False),
             **options,
         )
 
@@ -252,7 +317,7 @@ def inference_pool(params: Params, layer_ids: list[int], work: Path) -> Iterator
             if master:
                 record["mooncake_master"] = {"address": master, "node": None, "given": True}
             else:
-                worker = pinned(MasterWorker, num_cpus=0).remote(os.getcwd())
+                worker = pinned(MasterWorker, node, num_cpus=0).remote(os.getcwd())
                 actors.append(worker)
                 log_file = str((work / "mooncake-master.log").resolve())
                 master = _started(
@@ -264,28 +329,37 @@ def inference_pool(params: Params, layer_ids: list[int], work: Path) -> Iterator
             os.environ[LOCAL_HOSTNAME_VAR] = ray.util.get_node_ip_address()
         storage = work / "online-hidden-states"
         clear_dir(storage)
-        log_file = work / "vllm-online.log"
-        spec = hidden_state_spec(params, layer_ids, storage, log_file)
-        spec.host = node.address  # the node's cluster address only
-        spec.api_key = run_key()
-        if master:
-            spec.env = {**(spec.env or {}), LOCAL_HOSTNAME_VAR: node.address}
-            kv = mooncake_kv_config(params, master, node.address)
-            spec.extra_args = _with_kv_config(spec.extra_args, kv)
-        server = pinned(
-            ServerWorker, num_cpus=c.worker.num_cpus, num_gpus=c.worker.num_gpus
-        ).remote(os.getcwd(), engine.passed_env())
-        actors.append(server)
-        log(STAGE, f"cluster: starting vLLM (extract_hidden_states) on {node.label} ({log_file})")
-        url = _started(server.start.remote(spec), "vLLM server", node)
-        log(STAGE, f"cluster: vLLM on {node.label} ready at {url}")
-        record["vllm"] = {"node": node.label, "url": url}
-        source = OnlineSource(
-            f"{url}/v1",
-            f"the vLLM server on {node.label} at {url} (log: {log_file})",
-            spec.api_key,
-        )
-        yield Pools(source, inference, training, master, record)
+        key = run_key()  # one per run, shared by its servers
+        serving = inference
+        if master and len(inference) > 1:
+            # A second server's Mooncake client was expired by the master (no heartbeat) and
+            # puts to it hung, on a namespaced local cluster: one server until understood.
+            serving = inference[:1]
+            log(STAGE, "cluster: backend mooncake: vLLM on the first inference node only")
+        starts = []
+        for i, at in enumerate(serving):
+            log_file = work / f"vllm-online-{i}.log"
+            spec = hidden_state_spec(params, layer_ids, storage / str(i), log_file)
+            spec.host, spec.api_key = at.address, key  # the node's cluster address only
+            if master:
+                spec.env = {**(spec.env or {}), LOCAL_HOSTNAME_VAR: at.address}
+                kv = mooncake_kv_config(params, master, at.address)
+                spec.extra_args = _with_kv_config(spec.extra_args, kv)
+            server = pinned(
+                ServerWorker, at, num_cpus=c.worker.num_cpus, num_gpus=c.worker.num_gpus
+            ).remote(os.getcwd(), engine.passed_env())
+            actors.append(server)
+            log(STAGE, f"cluster: starting vLLM (extract_hidden_states) on {at.label} ({log_file})")
+            starts.append((at, log_file, server.start.remote(spec)))
+        sources, watchers, record["vllm"] = [], [], []
+        for (at, log_file, ref), server in zip(starts, actors[-len(starts) :], strict=True):
+            url = _started(ref, "vLLM server", at)  # started side by side, gathered in order
+            log(STAGE, f"cluster: vLLM on {at.label} ready at {url}")
+            record["vllm"].append({"node": at.label, "url": url})
+            name = f"the vLLM server on {at.label} at {url} (log: {log_file})"
+            sources.append(OnlineSource(f"{url}/v1", name, key))
+            watchers.append(watcher(server.wait.remote()))
+        yield Pools(sources, inference, training, master, record, watchers)
     finally:
         stops = [a.stop.remote() for a in reversed(actors)]
         with contextlib.suppress(ray.exceptions.RayError, TimeoutError):

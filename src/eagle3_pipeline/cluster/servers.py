@@ -70,7 +70,8 @@ class NodeServer:
     gone: Callable[[], bool]
 
 
-def _watcher(ref) -> Callable[[], bool]:
+def watcher(ref) -> Callable[[], bool]:
+    """True once `ref` (a worker's `wait`) has returned or failed: the server is gone."""
     import ray
 
     def gone() -> bool:
@@ -126,7 +127,7 @@ def node_servers(
                 errors.append(f"{node.label}: {first}")
                 log("generate", f"cluster: no server on {node.label}: {first}")
                 continue
-            started.append(NodeServer(node, url, _watcher(worker.wait.remote())))
+            started.append(NodeServer(node, url, watcher(worker.wait.remote())))
             log("generate", f"cluster: server on {node.label} ready at {url}")
         if not started:
             raise ServerError(

@@ -132,6 +132,7 @@ def run_across_nodes(
     check_nodes: Callable[[list[engine.Node]], None] = lambda nodes: None,
     exclude: frozenset[str] = frozenset(),
     env_for: Callable[[engine.Node], dict[str, str]] = lambda node: {},
+    servers_lost: Callable[[], list[str]] = lambda: [],
 ) -> dict:
     """Train on cluster.training_nodes nodes x `nproc` processes; returns the provenance record.
 
@@ -139,6 +140,8 @@ def run_across_nodes(
     agents resume from the last complete epoch. `check_nodes` vets the first attempt's nodes.
     `exclude`: node ids never used (online training's inference pool); `env_for(node)`: what
     that node's agent gets on top of the run's environment (its Mooncake address).
+    `servers_lost()`: after a failed attempt, the inference servers (online mode) found gone
+    since; any: the attempt was lost with them, and the next one uses the servers left.
     """
     n = c.training_nodes
     lost: set[str] = set()  # node ids gone from the cluster
@@ -208,7 +211,10 @@ def run_across_nodes(
             }
         alive = {x.node_id for x in engine.alive_nodes()}
         gone = [x for x in nodes if x.node_id not in alive]
-        if not attempt.lost and not gone:
+        servers = servers_lost()
+        if servers:
+            history[-1]["servers_lost"] = servers
+        if not attempt.lost and not gone and not servers:
             failed = next(o for o in attempt.outcomes.values() if o.rc != 0)
             raise PipelineError(
                 f"cluster: train's torchrun agent on {failed.node.label} failed (exit "
@@ -219,10 +225,12 @@ def run_across_nodes(
         what = "; ".join(
             [f"{o.node.label}: {o.error.split('. ')[0] or f'exit {o.rc}'}" for o in attempt.lost]
             + [f"{x.label}: node gone" for x in gone]
+            + [f"{label}: inference server gone" for label in servers]
         )
+        what_lost = "a node" if attempt.lost or gone else "an inference server"
         log(
             STAGE,
-            f"cluster: attempt {number} lost a node ({what}); "
+            f"cluster: attempt {number} lost {what_lost} ({what}); "
             + (
                 "relaunching on alive nodes from the last complete epoch"
                 if number < c.max_attempts

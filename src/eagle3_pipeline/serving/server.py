@@ -334,9 +334,9 @@ def serve(spec: ServerSpec) -> Iterator[str]:
         yield urls[0]
 
 
-def metrics(url: str) -> dict[str, float]:
+def metrics(url: str, api_key: str | None = None) -> dict[str, float]:
     """Prometheus counters of /metrics, summed over label sets, keyed by name{labels}."""
-    text = requests.get(f"{url}/metrics", timeout=10).text
+    text = requests.get(f"{url}/metrics", headers=auth.bearer(api_key), timeout=10).text
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):

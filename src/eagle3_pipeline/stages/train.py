@@ -133,9 +133,10 @@ def _train_online(params: Params, inputs: TrainInputs) -> None:
         # Across nodes: vLLM (and the Mooncake master) on the inference pool, torchrun on the
         # training pool (cluster/online.py).
         with cluster_online.inference_pool(params, layer_ids, inputs.work) as pools:
-            source = pools.source
-            _check_and_log(params, inputs, source)
-            _launch(_served_by(params, source, pools.master), inputs, pools)
+            flags = _check_and_log(params, inputs, pools.source)
+            for other in pools.sources[1:]:  # every server, not only the one params name
+                _check_server(params, inputs, other, flags)
+            _launch(_served_by(params, pools.source, pools.master), inputs, pools)
         return
     os.environ.update(mooncake_env(t.online))  # torchrun workers inherit it
     with online.online_source(params, layer_ids, inputs.work) as source:
@@ -360,9 +361,10 @@ def _launch_on_cluster(
         check_nodes=lambda nodes: preflight.check(nodes, c, params.verifier.path),
         exclude=frozenset(n.node_id for n in pools.inference) if pools else frozenset(),
         env_for=pools.trainer_env if pools else lambda node: {},
+        servers_lost=pools.newly_lost if pools else lambda: [],
     )
     if pools:
-        rec["online"] = pools.record
+        rec["online"] = pools.served()
     record.write(STAGE, rec)
 
 
@@ -418,8 +420,9 @@ def _worker_main(argv: list[str]) -> int:
     o = params.train.online
     flags, source = None, None
     if params.train.hidden_states == "online" and o.endpoint:
-        flags = online.speculators_flags(o, o.endpoint)
-        source = online.OnlineSource(o.endpoint, f"the vLLM server at {o.endpoint}")
+        endpoint = online.endpoint_for_rank(o.endpoint)
+        flags = online.speculators_flags(o, endpoint)
+        source = online.OnlineSource(endpoint, f"the vLLM server at {endpoint}")
     try:
         _train(params, _inputs(params), flags, source)
     except KeyboardInterrupt:

@@ -103,6 +103,16 @@ def online_source(params: Params, layer_ids: list[int], work: Path) -> Iterator[
         yield OnlineSource(f"{url}/v1", name, spec.api_key)
 
 
+ENDPOINTS_VAR = "EAGLE3_ONLINE_ENDPOINTS"  # the inference pool's servers, comma-separated
+
+
+def endpoint_for_rank(default: str) -> str:
+    """This rank's server: one of the inference pool's (round robin by global RANK: ranks of
+    one node spread over the servers too), else `default` (the one params name)."""
+    given = [e for e in os.environ.get(ENDPOINTS_VAR, "").split(",") if e]
+    return given[int(os.environ.get("RANK", "0")) % len(given)] if given else default
+
+
 def run_key() -> str:
     """A key for a server this run starts: in no log, params, provenance or DVC file."""
     return secrets.token_urlsafe(32)

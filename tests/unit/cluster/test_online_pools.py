@@ -80,22 +80,23 @@ def test_trainers_run_on_the_training_pool_with_their_own_mooncake_address(
     monkeypatch.setattr(torchrun, "_wait", lambda refs, timeout: [refs[0]] if refs else [])
     source = OnlineSource("http://10.0.0.1:8000/v1", "x", "run-key")
     assert "run-key" not in repr(source)
-    pools = cluster_online.Pools(source, [A], [B, C], "m")
+    pools = cluster_online.Pools([source], [A], [B, C], "m")
     c = ClusterParams(engine="ray", nodes=3, train_nodes=2)
     record = torchrun.run_across_nodes(
         c, 1, "eagle3_pipeline.stages.train", ARGS,
         exclude=frozenset({A.node_id}), env_for=pools.trainer_env,
     )  # fmt: skip
     assert record["nodes"] == [B.label, C.label]
-    key = {"EAGLE3_VLLM_API_KEY": "run-key"}  # the server's key: speculators' client sends it
+    # the server's key (speculators' client sends it) and the servers, one per rank
+    key = {"EAGLE3_VLLM_API_KEY": "run-key", "EAGLE3_ONLINE_ENDPOINTS": source.endpoint}
     assert submitted == [
         (B.label, key | {"MOONCAKE_LOCAL_HOSTNAME": "10.0.0.2"}),
         (C.label, key | {"MOONCAKE_LOCAL_HOSTNAME": "10.0.0.3"}),
     ]
-    no_master = cluster_online.Pools(pools.source, [A], [B, C], None)
+    no_master = cluster_online.Pools([pools.source], [A], [B, C], None)
     assert no_master.trainer_env(B) == key
-    keyless = cluster_online.Pools(OnlineSource("http://10.0.0.1:8000/v1", "x"), [A], [B], None)
-    assert keyless.trainer_env(B) == {}
+    keyless = cluster_online.Pools([OnlineSource("http://10.0.0.1:8000/v1", "x")], [A], [B], None)
+    assert keyless.trainer_env(B) == {"EAGLE3_ONLINE_ENDPOINTS": "http://10.0.0.1:8000/v1"}
 
 
 def test_a_master_in_params_is_used_else_one_is_started() -> None:
@@ -142,3 +143,63 @@ def test_a_server_this_stage_starts_wants_the_run_s_own_key(
     monkeypatch.setenv("EAGLE3_VLLM_API_KEY", "users-key")
     with online.online_source(given, [1, 2], tmp_path) as source:
         assert source.api_key == "users-key"
+
+
+def test_each_rank_takes_one_server_of_the_pool_round_robin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """speculators' dataloader takes one endpoint: ranks spread over the inference pool's
+    servers by global rank (so two ranks of one node use two servers)."""
+    from eagle3_pipeline.training import online
+
+    servers = [OnlineSource(f"http://10.0.0.{i}:8000/v1", f"s{i}", "k") for i in (1, 2)]
+    pools = cluster_online.Pools(servers, [A, B], [C], None)
+    for name, value in pools.trainer_env(C).items():
+        monkeypatch.setenv(name, value)
+    chosen = []
+    for rank in range(4):
+        monkeypatch.setenv("RANK", str(rank))
+        chosen.append(online.endpoint_for_rank("http://params/v1"))
+    assert chosen == [s.endpoint for s in servers] * 2
+    monkeypatch.delenv(online.ENDPOINTS_VAR)
+    assert online.endpoint_for_rank("http://params/v1") == "http://params/v1"  # no pool
+
+
+def test_a_server_found_gone_is_left_to_the_others_and_the_last_one_ends_the_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from eagle3_pipeline.errors import ServerError
+
+    servers = [OnlineSource(f"http://10.0.0.{i}:8000/v1", f"s{i}", "k") for i in (1, 2)]
+    gone = {0: False, 1: False}
+    record = {"vllm": [{"node": A.label}, {"node": B.label}]}
+    watchers = [lambda: gone[0], lambda: gone[1]]
+    pools = cluster_online.Pools(servers, [A, B], [C], None, record, watchers)
+    monkeypatch.setattr(cluster_online, "_healthy", lambda source: True)
+    assert pools.newly_lost() == []
+    gone[1] = True  # its worker ended (its node died)
+    assert pools.newly_lost() == [B.label]
+    assert pools.newly_lost() == []  # named once
+    assert record["vllm"][1]["lost"] is True and "lost" not in record["vllm"][0]
+    assert pools.trainer_env(C)["EAGLE3_ONLINE_ENDPOINTS"] == servers[0].endpoint
+    monkeypatch.setattr(cluster_online, "_healthy", lambda source: False)  # /health is down
+    with pytest.raises(ServerError, match="every inference server was lost") as err:
+        pools.newly_lost()
+    assert "\n" not in str(err.value) and A.label in str(err.value)
+
+
+def test_the_master_s_node_lost_ends_the_run_naming_the_way_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from eagle3_pipeline.errors import ServerError
+
+    servers = [OnlineSource(f"http://10.0.0.{i}:8000/v1", f"s{i}", "k") for i in (1, 2)]
+    record = {"vllm": [{"node": A.label}, {"node": B.label}], "mooncake_master": {"node": A.label}}
+    pools = cluster_online.Pools(servers, [A, B], [C], "10.0.0.1:50051", record, [])
+    monkeypatch.setattr(cluster_online, "_healthy", lambda source: source is not servers[0])
+    with pytest.raises(ServerError, match="Mooncake master") as err:
+        pools.newly_lost()
+    assert "train.online.mooncake.master" in str(err.value)
+    given = {**record, "mooncake_master": {"address": "10.0.0.9:50051", "given": True}}
+    pools = cluster_online.Pools(servers, [A, B], [C], "10.0.0.9:50051", given, [])
+    assert pools.newly_lost() == [A.label]  # a master of the user's own: the other server goes on

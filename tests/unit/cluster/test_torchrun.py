@@ -181,3 +181,24 @@ def test_agents_still_running_after_the_settle_window_are_cancelled(
     assert fake.cancelled == [(1, B.label)]
     assert [a["cancelled"] for a in record["attempts"][0]["agents"]] == [None, True]
     assert [label for label, _ in fake.submitted[1]] == [A.label, B.label]  # B still alive
+
+
+def test_a_lost_inference_server_relaunches_on_the_same_nodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Online mode: a rank's server died, so its agent failed (exit 1) with every training node
+    alive; the attempt is lost with the server, not failed, and the next one runs (its agents
+    get the servers left through env_for); without a lost server the same exit is a failure."""
+    c = ClusterParams(engine="ray", nodes=2)
+    FakeEngine(monkeypatch, [{A.label: 1, B.label: 0}, {A.label: 0, B.label: 0}])
+    found = deque([["10.0.0.9/srv1"], []])
+    record = torchrun.run_across_nodes(
+        c, 1, "eagle3_pipeline.stages.train", ARGS, servers_lost=found.popleft
+    )
+    assert [a["attempt"] for a in record["attempts"]] == [1, 2]
+    assert record["attempts"][0]["servers_lost"] == ["10.0.0.9/srv1"]
+    assert "servers_lost" not in record["attempts"][1]
+
+    FakeEngine(monkeypatch, [{A.label: 1, B.label: 0}])
+    with pytest.raises(PipelineError, match="failed \\(exit 1\\)"):
+        torchrun.run_across_nodes(c, 1, "eagle3_pipeline.stages.train", ARGS, servers_lost=list)
