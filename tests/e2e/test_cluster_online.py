@@ -175,6 +175,7 @@ def test_two_servers_one_per_rank_and_a_lost_inference_node_is_survived(
     out = log.read_text()
     assert (checkpoints(root) / "1" / "model.safetensors").is_file()
     assert "lost an inference server" in out and "resumes after epoch 0" in out, out[-6000:]
+    assert "rows from 2 vLLM servers (first: the vLLM server on" in out, out[-6000:]
     record = json.loads((root / "metrics/provenance/train.json").read_text())["cluster"]
     online = record["online"]
     servers = online["vllm"]

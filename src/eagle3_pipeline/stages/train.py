@@ -133,7 +133,7 @@ def _train_online(params: Params, inputs: TrainInputs) -> None:
         # Across nodes: vLLM (and the Mooncake master) on the inference pool, torchrun on the
         # training pool (cluster/online.py).
         with cluster_online.inference_pool(params, layer_ids, inputs.work) as pools:
-            flags = _check_and_log(params, inputs, pools.source)
+            flags = _check_and_log(params, inputs, pools.source, len(pools.sources))
             for other in pools.sources[1:]:  # every server, not only the one params name
                 _check_server(params, inputs, other, flags)
             _launch(_served_by(params, pools.source, pools.master), inputs, pools)
@@ -149,11 +149,13 @@ def _train_online(params: Params, inputs: TrainInputs) -> None:
             _train(params, inputs, flags, source)
 
 
-def _check_and_log(params: Params, inputs: TrainInputs, source: online.OnlineSource) -> dict:
+def _check_and_log(
+    params: Params, inputs: TrainInputs, source: online.OnlineSource, servers: int = 1
+) -> dict:
     """Log the plan, check the server against the store; speculators' online flags."""
     t = params.train
     stored = sum(s["hidden_states_file"] is not None for s in inputs.samples)
-    online.log_plan(t.online, source, len(inputs.samples), stored)
+    online.log_plan(t.online, source, len(inputs.samples), stored, servers)
     flags = online.speculators_flags(t.online, source.endpoint)
     _check_server(params, inputs, source, flags)
     return flags

@@ -223,10 +223,13 @@ def refusal(exc: BaseException, row_ids: list[str], source: OnlineSource) -> Dat
     return DataError(f"hidden states of sample {sid} refused, from {source.name}: {reason}")
 
 
-def log_plan(o: OnlineParams, source: OnlineSource, n_rows: int, n_stored: int) -> None:
+def log_plan(
+    o: OnlineParams, source: OnlineSource, n_rows: int, n_stored: int, servers: int = 1
+) -> None:
+    where = source.name if servers == 1 else f"{servers} vLLM servers (first: {source.name})"
     log(
         "train",
-        f"online hidden states: {n_rows - n_stored} rows from {source.name} each epoch, "
+        f"online hidden states: {n_rows - n_stored} rows from {where} each epoch, "
         f"{n_stored} val rows from the store; backend {o.backend}; a sample is given up after "
         f"at most {timeout_bound_s(o):.0f} s (train.online.request_timeout_s, max_retries, "
         "round_trip_retries)",
