@@ -42,6 +42,40 @@ def cluster_nodes(repo: Path, stage: str) -> list[str]:
     return sorted(set(cluster.get("nodes") or cluster.get("servers") or []))  # generate: servers
 
 
+def work_s(record: dict) -> float | None:
+    """Seconds the fanned-out commands themselves ran (the work), from a cluster record: extract,
+    the slowest shard (its attempts added up, shards run side by side); train, the slowest agent
+    of each attempt, added up. None when the record does not say (generate, an older run)."""
+    attempts = record.get("attempts") or []
+    if "shards" in record:
+        per_shard: dict[int, float] = {}
+        for a in attempts:
+            if a.get("command_s") is None:
+                return None
+            per_shard[a["shard"]] = per_shard.get(a["shard"], 0.0) + a["command_s"]
+        return max(per_shard.values(), default=None)
+    if "train_s" in record:
+        total = 0.0
+        for a in attempts:
+            times = [x.get("command_s") for x in a.get("agents", [])]
+            if not times or None in times:
+                return None
+            total += max(times)
+        return total
+    return None
+
+
+def engine_s(repo: Path, stage: str) -> float | None:
+    """The engine's own seconds in a cluster stage: the fan-out's wall time less the work."""
+    record = repo / "metrics/provenance" / f"{stage}.json"
+    if not record.is_file():
+        return None
+    cluster = json.loads(record.read_text()).get("cluster") or {}
+    work = work_s(cluster)
+    wall = cluster.get("fan_out_s", cluster.get("train_s"))
+    return None if work is None or wall is None else round(wall - work, 1)
+
+
 def compare(single: Path, cluster: Path) -> list[dict]:
     one, two = durations(single), durations(cluster)
     h1, h2 = out_hashes(single), out_hashes(cluster)
@@ -56,6 +90,7 @@ def compare(single: Path, cluster: Path) -> list[dict]:
                 "single_s": one[stage],
                 "cluster_s": two[stage],
                 "overhead_s": round(two[stage] - one[stage], 1),
+                "engine_s": engine_s(cluster, stage),
                 "nodes": cluster_nodes(cluster, stage),
                 "same_outputs": same,
             }
@@ -80,14 +115,20 @@ def main(argv: list[str]) -> int:
         print(f"no stage ran in both {args.single} and {args.cluster}: run the DAG in each")
         return 1
     print(
-        f"{'stage':<10} {'1 node s':>9} {'cluster s':>10} {'diff s':>8}  {'same bytes':<10} nodes"
+        f"{'stage':<10} {'1 node s':>9} {'cluster s':>10} {'diff s':>8} {'engine s':>9}  "
+        f"{'same bytes':<10} nodes"
     )
     for r in rows:
+        engine = "-" if r["engine_s"] is None else f"{r['engine_s']:.1f}"
         print(
             f"{r['stage']:<10} {r['single_s']:>9.1f} {r['cluster_s']:>10.1f} "
-            f"{r['overhead_s']:>+8.1f}  {'yes' if r['same_outputs'] else 'no':<10} "
+            f"{r['overhead_s']:>+8.1f} {engine:>9}  {'yes' if r['same_outputs'] else 'no':<10} "
             f"{len(r['nodes']) or '-'}"
         )
+    print(
+        "engine s: the fan-out's wall time less the commands' own (Ray, scheduling, launch); "
+        "the rest of the difference is the work itself sharing this machine's cores"
+    )
     total1 = sum(r["single_s"] for r in rows)
     total2 = sum(r["cluster_s"] for r in rows)
     print(f"{'total':<10} {total1:>9.1f} {total2:>10.1f} {total2 - total1:>+8.1f}")

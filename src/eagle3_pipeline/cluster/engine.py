@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ class Outcome:
     node: Node
     rc: int | None  # None: the worker or its node was lost before the command ended
     error: str = ""
+    command_s: float | None = None  # the command's own wall time on the node (the work)
 
     @property
     def lost(self) -> bool:
@@ -118,8 +120,6 @@ def choose_nodes(
     c: ClusterParams, exclude: set[str] = frozenset(), count: int | None = None
 ) -> list[Node]:
     """`count` (default cluster.nodes) alive nodes, waiting up to cluster.wait_for_nodes_s."""
-    import time
-
     want = count or c.nodes
     key = "nodes" if want == c.nodes else "train_nodes"
     deadline = time.monotonic() + c.wait_for_nodes_s
@@ -182,9 +182,10 @@ def _run_command(
         iface = interface_of(bind_address)
         if iface is not None:
             full["GLOO_SOCKET_IFNAME"] = iface
+    t0 = time.monotonic()
     proc = subprocess.Popen(argv, cwd=cwd, env=full, preexec_fn=_die_with_parent)
     rc = proc.wait()
-    return {"rc": rc, "host": socket.gethostname()}
+    return {"rc": rc, "host": socket.gethostname(), "command_s": round(time.monotonic() - t0, 3)}
 
 
 def submit(
@@ -215,7 +216,8 @@ def outcome(node: Node, ref) -> Outcome:
     import ray
 
     try:
-        return Outcome(node, ray.get(ref)["rc"])
+        done = ray.get(ref)
+        return Outcome(node, done["rc"], command_s=done.get("command_s"))
     except (ray.exceptions.RayError, OSError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return Outcome(node, None, f"{type(exc).__name__}: {first}")

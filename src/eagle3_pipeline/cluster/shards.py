@@ -45,7 +45,13 @@ def run_shards(stage: str, params_path: str, c: ClusterParams) -> dict:
             shard, node = running.pop(ref)
             out = engine.outcome(node, ref)
             history.append(
-                {"shard": shard, "node": node.label, "rc": out.rc, "error": out.error or None}
+                {
+                    "shard": shard,
+                    "node": node.label,
+                    "rc": out.rc,
+                    "error": out.error or None,
+                    "command_s": out.command_s,
+                }
             )
             if out.rc == 0:
                 done[shard] = node.label

@@ -193,6 +193,7 @@ def run_across_nodes(
                         "rc": o.rc,
                         "error": o.error or None,
                         "cancelled": o.node.label in attempt.cancelled or None,
+                        "command_s": o.command_s,
                     }
                     for o in attempt.outcomes.values()
                 ],
