@@ -43,6 +43,7 @@ PASSED_ENV_PREFIXES = (
 class Node:
     node_id: str
     address: str
+    cpus: float = 0.0  # the CPUs the node offers Ray (0: not known)
 
     @property
     def label(self) -> str:
@@ -109,7 +110,7 @@ def alive_nodes() -> list[Node]:
 
     here = ray.get_runtime_context().get_node_id()
     nodes = [
-        Node(n["NodeID"], n["NodeManagerAddress"])
+        Node(n["NodeID"], n["NodeManagerAddress"], n["Resources"].get("CPU", 0.0))
         for n in ray.nodes()
         if n["Alive"] and n["Resources"].get("CPU", 0) > 0
     ]

@@ -15,6 +15,7 @@ failure that is not a loss (an agent exits > 0 while none was lost) raises at on
 
 from __future__ import annotations
 
+import os
 import secrets
 import sys
 import time
@@ -88,17 +89,28 @@ class _Attempt:
         return [o for o in self.outcomes.values() if o.lost and o.node.label not in self.cancelled]
 
 
+def rank_threads(node: engine.Node, nproc: int) -> dict[str, str]:
+    """OMP_NUM_THREADS for each of a node's `nproc` ranks: the node's CPUs (as Ray counts them)
+    shared among them, unless the driver's environment sets it. torchrun sets 1 only for
+    nproc > 1; one rank per node would otherwise take every core of a machine that several
+    local nodes share, and on a real node a fixed 1 would starve the data loading."""
+    if "OMP_NUM_THREADS" in os.environ or node.cpus <= 0:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, int(node.cpus) // nproc))}
+
+
 def _run_attempt(
     nodes: list[engine.Node],
     argv_for: Callable[[int, engine.Node], list[str]],
     c: ClusterParams,
     env_for: Callable[[engine.Node], dict[str, str]] = lambda node: {},
+    nproc: int = 1,
 ) -> _Attempt:
     """Start one agent per node; wait until all ended, or one ended badly and the rest settled."""
     attempt = _Attempt(nodes)
     running = {}
     for i, n in enumerate(nodes):
-        env = env_for(n)
+        env = {**rank_threads(n, nproc), **env_for(n)}
         running[engine.submit(n, argv_for(i, n), c, env or None, bind_collectives=True)] = n
     deadline: float | None = None
     try:
@@ -181,7 +193,7 @@ def run_across_nodes(
                 args=args,
             )
 
-        attempt = _run_attempt(nodes, argv_for, c, env_for)
+        attempt = _run_attempt(nodes, argv_for, c, env_for, nproc)
         history.append(
             {
                 "attempt": number,

@@ -202,3 +202,14 @@ def test_a_lost_inference_server_relaunches_on_the_same_nodes(
     FakeEngine(monkeypatch, [{A.label: 1, B.label: 0}])
     with pytest.raises(PipelineError, match="failed \\(exit 1\\)"):
         torchrun.run_across_nodes(c, 1, "eagle3_pipeline.stages.train", ARGS, servers_lost=list)
+
+
+def test_each_rank_gets_its_share_of_the_node_s_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two local nodes of 1 CPU on one machine: 1 thread per rank, not every core each."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    big, small = engine.Node("d" * 56, "10.0.0.4", 96.0), engine.Node("e" * 56, "10.0.0.5", 1.0)
+    assert torchrun.rank_threads(big, 8) == {"OMP_NUM_THREADS": "12"}
+    assert torchrun.rank_threads(small, 2) == {"OMP_NUM_THREADS": "1"}
+    assert torchrun.rank_threads(A, 1) == {}  # CPUs not known: left to torchrun
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert torchrun.rank_threads(big, 8) == {}  # the driver's own setting wins (passed as is)
