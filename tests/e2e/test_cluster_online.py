@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 
 import pytest
-import requests
 import yaml
 from ray_cluster import NETNS, free_port, kill_session, local_cluster, processes
 from train_workspace import build_workspace, checkpoints, stage_command, stage_env
 
+from eagle3_pipeline.serving.server import answered
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.training import checkpoints as ck
 
@@ -76,16 +76,6 @@ def _server(url: str) -> tuple[int, bytes]:
     assert pids, url
     environ = Path(f"/proc/{pids[0]}/environ").read_bytes().split(b"\0")
     return pids[0], next(v for v in environ if v.startswith(b"VLLM_API_KEY=")).split(b"=", 1)[1]
-
-
-def _answered(url: str, key: bytes) -> float:
-    auth = {"Authorization": f"Bearer {key.decode()}"}
-    text = requests.get(f"{url}/metrics", headers=auth, timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:request_success_total")
-    )
 
 
 def _kill_node_of(server_pid: int, state: dict) -> None:
@@ -161,7 +151,7 @@ def test_two_servers_one_per_rank_and_a_lost_inference_node_is_survived(
             assert len(urls) == 2, log.read_text()[-6000:]
             pid, key = _server(urls[1])
             while proc.poll() is None and time.monotonic() < deadline:
-                if marker.is_file() and _answered(urls[1], key) >= 1:  # rank 1's rows
+                if marker.is_file() and answered(urls[1], key.decode()) >= 1:  # rank 1's rows
                     break
                 time.sleep(0.02)
             assert marker.is_file(), log.read_text()[-6000:]

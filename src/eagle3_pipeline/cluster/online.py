@@ -202,16 +202,14 @@ class Pools:
 
     def served(self) -> dict:
         """The provenance record with each live server's answered requests (its /metrics)."""
-        from eagle3_pipeline.serving.server import metrics
+        from eagle3_pipeline.serving.server import answered
 
         for i, (entry, source) in enumerate(zip(self.record["vllm"], self.sources, strict=True)):
-            if i in self.lost:
-                continue
-            with contextlib.suppress(OSError, ValueError):
-                found = metrics(source.endpoint.removesuffix("/v1"), source.api_key)
-                entry["requests"] = int(
-                    sum(v for k, v in found.items() if k.startswith("vllm:request_success_total"))
-                )
+            if i not in self.lost:
+                with contextlib.suppress(OSError, ValueError):
+                    entry["requests"] = answered(
+                        source.endpoint.removesuffix("/v1"), source.api_key
+                    )
         return self.record
 
 

@@ -349,6 +349,12 @@ def metrics(url: str, api_key: str | None = None) -> dict[str, float]:
     return out
 
 
+def answered(url: str, api_key: str | None = None) -> int:
+    """Requests the server at `url` has finished (vLLM's request_success counter)."""
+    found = metrics(url, api_key)
+    return int(sum(v for k, v in found.items() if k.startswith("vllm:request_success_total")))
+
+
 def _run_vllm(module: str, args: list[str]) -> None:
     """vLLM's entry point `module` with `args`, after the CPU patches: the kernel rebind (the
     scan runs in this process) and, only for an MLA verifier with a drafter on CPU, the
