@@ -23,6 +23,7 @@ import pytest
 import requests
 import yaml
 from generate_workspace import prepare_rows
+from server_procs import server_key, server_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -96,22 +97,10 @@ def _local_cluster(root: Path, nodes: int = 2) -> Iterator[None]:
         subprocess.run([*cmd, "down"], cwd=root, env=_env(), timeout=120)
 
 
-def _server_pids(port: int) -> list[int]:
-    """The watchdog and vLLM processes of the server on `port` (its command line names it)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-                if b"eagle3_pipeline.serving.server" in argv and str(port).encode() in argv:
-                    found.append(int(entry.name))
-    return found
-
-
 def _signal_server(port: int, sig: int) -> None:
     """`sig` to the server on `port`: its watchdog's process group (watchdog, API server and
     engine), not the Ray worker that started it."""
-    os.killpg(os.getpgid(_server_pids(port)[0]), sig)
+    os.killpg(os.getpgid(server_pids(port)[0]), sig)
 
 
 def _wait_for(what: str, check, proc: subprocess.Popen, log: Path, timeout_s: float = 600):
@@ -171,9 +160,7 @@ def test_generate_across_two_nodes_survives_a_killed_server_with_identical_rows(
                 assert requests.get(f"{url}/metrics", timeout=10).status_code == 401
                 assert requests.post(f"{url}/invocations", json={}, timeout=10).status_code == 401
                 _signal_server(port, signal.SIGSTOP)
-            environ = Path(f"/proc/{_server_pids(port_b)[0]}/environ").read_bytes()
-            key = next(v for v in environ.split(b"\0") if v.startswith(b"VLLM_API_KEY="))
-            key = key.split(b"=", 1)[1]
+            key = server_key(server_pids(port_b)[0]).encode()  # bytes: searched for in files
 
             # Mid-run: with at least 3 rows unanswered, A and B each hold at most one lease and
             # the queue is not empty, so B's thread holds one (sent, or about to be, to B).
@@ -190,9 +177,9 @@ def test_generate_across_two_nodes_survives_a_killed_server_with_identical_rows(
                 proc.wait()
         ports = [port_a, port_b]
         deadline = time.monotonic() + 60
-        while any(map(_server_pids, ports)) and time.monotonic() < deadline:
+        while any(map(server_pids, ports)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not any(map(_server_pids, ports)), "a server outlived the stage"
+        assert not any(map(server_pids, ports)), "a server outlived the stage"
         assert single_run.wait(timeout=600) == 0, single_log.read_text()[-3000:]
 
     assert _outputs(two) == _outputs(single)  # same bytes as the single-node run

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ray_cluster import NETNS, free_port, kill_session, local_cluster, processes
+from ray_cluster import NETNS, free_port, kill_session, local_cluster
+from server_procs import server_key, server_pids
 from train_workspace import build_workspace, checkpoints, stage_command, stage_env
 
 from eagle3_pipeline.serving.server import answered
@@ -67,15 +68,6 @@ def _ancestors(pid: int) -> list[int]:
         out.append(pid)
         pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     return out
-
-
-def _server(url: str) -> tuple[int, bytes]:
-    """The pid of the vLLM server at `url` (its watchdog) and the run's key, from its env."""
-    port = url.rsplit(":", 1)[1]
-    pids = [p for p, _, argv in processes("eagle3_pipeline.serving.server") if port in argv.split()]
-    assert pids, url
-    environ = Path(f"/proc/{pids[0]}/environ").read_bytes().split(b"\0")
-    return pids[0], next(v for v in environ if v.startswith(b"VLLM_API_KEY=")).split(b"=", 1)[1]
 
 
 def _kill_node_of(server_pid: int, state: dict) -> None:
@@ -149,9 +141,11 @@ def test_two_servers_one_per_rank_and_a_lost_inference_node_is_survived(
                 urls = READY.findall(log.read_text())
                 time.sleep(0.2)
             assert len(urls) == 2, log.read_text()[-6000:]
-            pid, key = _server(urls[1])
+            pids = server_pids(int(urls[1].rsplit(":", 1)[1]))
+            assert pids, urls[1]
+            pid, key = pids[0], server_key(pids[0])
             while proc.poll() is None and time.monotonic() < deadline:
-                if marker.is_file() and answered(urls[1], key.decode()) >= 1:  # rank 1's rows
+                if marker.is_file() and answered(urls[1], key) >= 1:  # rank 1's rows
                     break
                 time.sleep(0.02)
             assert marker.is_file(), log.read_text()[-6000:]

@@ -1,4 +1,5 @@
-"""Find the vLLM servers a test started, by a tag in their environment (also once re-parented)."""
+"""Find the vLLM servers a test started: by a tag in their environment (also once re-parented),
+or by the port on their command line; and the run's API key a server holds."""
 
 from __future__ import annotations
 
@@ -29,3 +30,21 @@ def wait_none_tagged(tag: str, timeout_s: float = 60.0) -> list[int]:
     while (left := tagged_pids(tag)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
+
+
+def server_pids(port: int) -> list[int]:
+    """The watchdog and vLLM processes of the server on `port` (its command line names it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if b"eagle3_pipeline.serving.server" in argv and str(port).encode() in argv:
+                    found.append(int(entry.name))
+    return found
+
+
+def server_key(pid: int) -> str:
+    """The API key a server process holds (its VLLM_API_KEY: never on its command line)."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(v for v in environ if v.startswith(b"VLLM_API_KEY=")).split(b"=", 1)[1].decode()

@@ -39,7 +39,8 @@ from eagle3_pipeline.cluster import engine
 from eagle3_pipeline.errors import ParamsError, ServerError
 from eagle3_pipeline.params import ClusterParams, OnlineParams, Params
 from eagle3_pipeline.progress import log
-from eagle3_pipeline.training.online import ENDPOINTS_VAR, OnlineSource, run_key
+from eagle3_pipeline.serving import auth
+from eagle3_pipeline.training.online import ENDPOINTS_VAR, OnlineSource
 from eagle3_pipeline.training.online import trainer_env as online_trainer_env
 from eagle3_pipeline.training.online_backend import LOCAL_HOSTNAME_VAR
 
@@ -214,12 +215,9 @@ class Pools:
 
 
 def _healthy(source: OnlineSource) -> bool:
-    import requests
+    from eagle3_pipeline.serving.server import healthy
 
-    try:
-        return requests.get(source.endpoint.removesuffix("/v1") + "/health", timeout=5).ok
-    except requests.RequestException:
-        return False
+    return healthy(source.endpoint.removesuffix("/v1"), timeout_s=5.0)
 
 
 def mooncake_kv_config(params: Params, master: str, host: str) -> dict:
@@ -327,7 +325,7 @@ def inference_pool(params: Params, layer_ids: list[int], work: Path) -> Iterator
             os.environ[LOCAL_HOSTNAME_VAR] = ray.util.get_node_ip_address()
         storage = work / "online-hidden-states"
         clear_dir(storage)
-        key = run_key()  # one per run, shared by its servers
+        key = auth.run_key()  # one per run, shared by its servers
         serving = inference
         if master and len(inference) > 1:
             # A second server's Mooncake client was expired by the master (no heartbeat) and

@@ -15,11 +15,17 @@ import hashlib
 import hmac
 import json
 import os
+import secrets
 from typing import Any
 
 KEY_VAR = "VLLM_API_KEY"
 MIDDLEWARE = "eagle3_pipeline.serving.auth.RequireKey"
 OPEN_PATHS = ("/health",)
+
+
+def run_key() -> str:
+    """A key for the servers one run starts: in no log, params, provenance or DVC file."""
+    return secrets.token_urlsafe(32)
 
 
 def bearer(key: str | None) -> dict[str, str]:

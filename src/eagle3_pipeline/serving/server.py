@@ -253,6 +253,14 @@ def _tail(path: Path, n: int = 5) -> str:
     return " | ".join(lines[-n:])
 
 
+def healthy(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether the server at `url` answers GET /health (open without a key: auth.py)."""
+    try:
+        return requests.get(f"{url}/health", timeout=timeout_s).status_code == 200
+    except requests.RequestException:
+        return False
+
+
 def wait_ready(url: str, proc: subprocess.Popen | None, spec: ServerSpec) -> None:
     deadline = time.monotonic() + spec.ready_timeout_s
     while time.monotonic() < deadline:
@@ -261,9 +269,8 @@ def wait_ready(url: str, proc: subprocess.Popen | None, spec: ServerSpec) -> Non
                 f"vLLM server exited with code {proc.returncode} before it was ready; see "
                 f"{spec.log_file} (last lines: {_tail(spec.log_file)})"
             )
-        with contextlib.suppress(requests.RequestException):
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return
+        if healthy(url):
+            return
         time.sleep(1.0)
     raise ServerError(
         f"vLLM server not ready after {spec.ready_timeout_s:.0f} s; see {spec.log_file} "

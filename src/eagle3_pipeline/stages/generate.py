@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from eagle3_pipeline.cluster import record as cluster_record
 from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
+from eagle3_pipeline.serving import auth
 from eagle3_pipeline.serving import server as vllm_server
 from eagle3_pipeline.serving.chat import API_KEY_VAR, ChatClient, ChatReply
 from eagle3_pipeline.serving.server_spec import SERVED_NAME, verifier_spec
@@ -154,7 +154,7 @@ def _servers(params: Params) -> Iterator[list[leases.Server]]:
         yield [leases.Server(url, _client(params, url, key)) for url in given]
         return
     vf.check_remote_code(params, vf.read_config(params.verifier.path))
-    key = secrets.token_urlsafe(32)  # this run's only: never in a log, params, provenance or DVC
+    key = auth.run_key()  # this run's only
     if params.cluster.engine == "ray":
         from eagle3_pipeline.cluster import servers as node_servers
 

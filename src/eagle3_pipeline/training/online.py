@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import os
 import re
-import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 from eagle3_pipeline.errors import DataError, ServerError, VerifierError
 from eagle3_pipeline.params import OnlineParams, Params
 from eagle3_pipeline.progress import log
+from eagle3_pipeline.serving import auth
 from eagle3_pipeline.serving.chat import API_KEY_VAR
 from eagle3_pipeline.training.online_backend import speculators_flags as backend_flags
 
@@ -96,7 +96,7 @@ def online_source(params: Params, layer_ids: list[int], work: Path) -> Iterator[
     clear_dir(storage)
     log_file = work / "vllm-online.log"
     spec = hidden_state_spec(params, layer_ids, storage, log_file)
-    spec.api_key = run_key()
+    spec.api_key = auth.run_key()
     log("train", f"starting vLLM with extract_hidden_states, layers {sorted(layer_ids)}")
     with serve(spec) as url:
         name = f"the stage's vLLM server at {url} (log: {log_file})"
@@ -111,11 +111,6 @@ def endpoint_for_rank(default: str) -> str:
     one node spread over the servers too), else `default` (the one params name)."""
     given = [e for e in os.environ.get(ENDPOINTS_VAR, "").split(",") if e]
     return given[int(os.environ.get("RANK", "0")) % len(given)] if given else default
-
-
-def run_key() -> str:
-    """A key for a server this run starts: in no log, params, provenance or DVC file."""
-    return secrets.token_urlsafe(32)
 
 
 def trainer_env(source: OnlineSource) -> dict[str, str]:
@@ -153,7 +148,7 @@ def check_server(
     try:
         model = client.models.list().data[0]
     except openai.AuthenticationError:
-        given = "the key in " + API_KEY_VAR if source.api_key else "no key"
+        given = "its key" if source.api_key else "no key"
         raise ServerError(
             f"{source.name} answered 401 to {given}: export {API_KEY_VAR} with the server's "
             "key (its --api-key)"
