@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from eagle3_pipeline import paths
+from eagle3_pipeline.drafter.families import FamilyParams
 from eagle3_pipeline.errors import ParamsError
 from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
 
@@ -257,6 +258,17 @@ class TrainParams(_Strict):
     # Processes (GPUs) for training; > 1 launches through torchrun.
     nproc: int = Field(1, ge=1)
     strategy: Literal["ddp", "fsdp"] = "ddp"
+    # The drafter family and its knobs (docs/families.md); eagle3 by default.
+    family: FamilyParams = Field(default_factory=FamilyParams)
+
+    @model_validator(mode="after")
+    def _init_from_is_eagle3(self) -> TrainParams:
+        if self.init_from and self.family.name != "eagle3":
+            raise ValueError(
+                f"train.init_from loads an EAGLE-3 drafter; family {self.family.name} trains "
+                "from scratch: remove train.init_from or set train.family.name: eagle3"
+            )
+        return self
 
 
 class ClusterWorkerParams(_Strict):

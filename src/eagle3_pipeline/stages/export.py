@@ -21,7 +21,7 @@ from eagle3_pipeline import atomic, paths
 from eagle3_pipeline.drafter import flat_format
 from eagle3_pipeline.drafter import load as drafter
 from eagle3_pipeline.drafter.conventions import FLAGS, run_conventions
-from eagle3_pipeline.errors import CheckpointError
+from eagle3_pipeline.errors import CheckpointError, ParamsError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
 from eagle3_pipeline.verifier import identity as vf
@@ -33,6 +33,15 @@ OUTPUT_DIR = paths.DRAFTER
 
 
 def run(params: Params) -> None:
+    family = params.train.family.name
+    if family != "eagle3":
+        # Its checkpoint is trained and kept (data/trained); export checks and evaluate
+        # simulates EAGLE-3's drafter only, so they refuse rather than pass a wrong drafter on.
+        raise ParamsError(
+            f"params.yaml: field 'train.family.name': export and evaluate handle eagle3 only, "
+            f"and {family} was trained (its checkpoint is in {paths.TRAINED}): stop after "
+            "train (`dvc repro train`) or set train.family.name: eagle3"
+        )
     n_layers, _, _ = vf.shape(vf.read_config(params.verifier.path))
     conventions = run_conventions(params, n_layers)
     aux, final = conventions.aux_layer_ids, conventions.final_layer_id

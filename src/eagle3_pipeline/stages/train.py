@@ -33,7 +33,9 @@ from pathlib import Path
 
 from eagle3_pipeline import atomic, disk, paths, readers, resume
 from eagle3_pipeline.cluster import online as cluster_online
+from eagle3_pipeline.drafter import mask_token
 from eagle3_pipeline.drafter.conventions import RunConventions, run_conventions
+from eagle3_pipeline.drafter.families import FamilyParams
 from eagle3_pipeline.errors import ParamsError, StoreError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
@@ -68,6 +70,7 @@ class TrainInputs:
     n_train: int
     work: Path
     row_ids: list[str]  # sample id of each row, in the order speculators indexes them
+    mask: tuple[int, str] | None = None  # P-EAGLE/DFlash mask token id, and how it was chosen
 
     @property
     def aux(self) -> list[int]:
@@ -112,7 +115,10 @@ def run(params: Params) -> None:
         + (f"; resuming after epoch {done}" if done is not None else "")
         + (f" (discarded incomplete: {', '.join(removed)})" if removed else ""),
     )
-    log(STAGE, f"drafter wiring: {inputs.conventions.describe()}")
+    family = t.family.name + (
+        f", mask token {inputs.mask[0]} ({inputs.mask[1]})" if inputs.mask else ""
+    )
+    log(STAGE, f"drafter {family}; wiring: {inputs.conventions.describe()}")
     trim_live(inputs.live_dir, inputs.save_dir)
     with disk.guard(STAGE, inputs.save_dir):  # a checkpoint write that fails: OS reason, mount
         if t.hidden_states == "online":
@@ -209,9 +215,11 @@ def _inputs(params: Params) -> TrainInputs:
     # Never train on a damaged file: DVC's hardlinked cache would not notice one changed in place.
     store.verify_hashes(paths.HIDDEN_STATES, manifest)
     samples, n_train, row_ids = _samples(manifest, online=t.hidden_states == "online")
+    mask = mask_token.for_run(params, [s["input_ids"] for s in samples])  # before weights load
+    # Knobs that cannot change the weights do not restart a run; nor does EAGLE-3 being named.
+    knobs = {"log_every_steps", "num_workers", "keep_last", "online"}
     key = resume.fingerprint(
-        # Knobs that cannot change the weights do not restart a run.
-        t.model_dump(exclude={"log_every_steps", "num_workers", "keep_last", "online"}),
+        t.model_dump(exclude=knobs | ({"family"} if t.family == FamilyParams() else set())),
         aux,
         conventions.flags,
         conventions.layer_config,
@@ -224,7 +232,8 @@ def _inputs(params: Params) -> TrainInputs:
         # Another world size is another run (a single node keeps its key).
         *([{"train_nodes": _nodes(params)}] if _nodes(params) > 1 else []),
     )
-    return TrainInputs(conventions, samples, n_train, resume.scratch_dir(STAGE, key), row_ids)
+    work = resume.scratch_dir(STAGE, key)
+    return TrainInputs(conventions, samples, n_train, work, row_ids, mask)
 
 
 def _samples(
@@ -263,6 +272,7 @@ def _settings(params: Params, inputs: TrainInputs, online_flags: dict | None) ->
         conventions=inputs.conventions,
         train_data_ratio=train_data_ratio_for(inputs.n_train, len(inputs.samples)),
         nodes=_nodes(params),
+        mask_token_id=inputs.mask[0] if inputs.mask else None,
     )
     return dataclasses.replace(settings, online_flags=online_flags)
 

@@ -75,7 +75,7 @@ class MetricsSink:
                 self.live.log_metric("train/tokens_per_s", float(tps))
             if step % self.log_every == 0:
                 accs = " ".join(
-                    f"acc{k} {m.get(f'full_acc_{k}', math.nan):.3f}" for k in range(self.ttt_steps)
+                    f"{name} {value:.3f}" for name, value in position_accs(m, self.ttt_steps)
                 )
                 log(
                     self.stage,
@@ -84,23 +84,35 @@ class MetricsSink:
                 )
         if "val" in record:
             v = {k.removesuffix("_epoch"): float(x) for k, x in record["val"].items()}
-            v["acceptance_length"] = simulated_tau(v, self.ttt_steps)
+            tau = simulated_tau(v, self.ttt_steps)
+            if tau is not None:
+                v["acceptance_length"] = tau
             for key, value in v.items():
                 if key != "error_records":
                     self.live.log_metric(f"val/{key}", value)
-            log(
-                self.stage,
-                f"epoch {record.get('epoch')} val loss {v['loss']:.4f} "
-                f"simulated acceptance length {v['acceptance_length']:.3f}",
-            )
+            length = f" simulated acceptance length {tau:.3f}" if tau is not None else ""
+            log(self.stage, f"epoch {record.get('epoch')} val loss {v['loss']:.4f}{length}")
             # Once per epoch, not per step: Live.next_step() also re-parses every series for
             # DVC Studio (even with Studio off), 30-50 ms a step here and growing with the run.
             # A kill can leave metrics.json stale; a resumed run rebuilds it (trim_live).
             self.live.make_summary()
 
 
-def simulated_tau(val: dict[str, float], ttt_steps: int) -> float:
-    """1 + sum over positions of P(all drafts up to k right), from the chained cond accuracy."""
+def position_accs(train: dict[str, Any], ttt_steps: int) -> list[tuple[str, float]]:
+    """(name, accuracy) per draft position: EAGLE-3's full_acc_k, else the parallel families'
+    position_k_acc (P-EAGLE from depth 0, DFlash from block position 1)."""
+    if any(k.startswith("full_acc_") for k in train):
+        return [(f"acc{k}", train.get(f"full_acc_{k}", math.nan)) for k in range(ttt_steps)]
+    found = [k for k in train if k.startswith("position_") and k.endswith("_acc")]
+    found.sort(key=lambda k: int(k.split("_")[1]))
+    return [(f"acc{k.split('_')[1]}", float(train[k])) for k in found]
+
+
+def simulated_tau(val: dict[str, float], ttt_steps: int) -> float | None:
+    """1 + sum over positions of P(all drafts up to k right), from the chained cond accuracy;
+    DFlash's own expected acceptance length (`eal`); None for P-EAGLE, which reports neither."""
+    if not any(k.startswith("cond_acc_") for k in val):
+        return val.get("eal")
     tau, prefix = 1.0, 1.0
     for k in range(ttt_steps):
         prefix *= val.get(f"cond_acc_{k}", 0.0)

@@ -20,17 +20,19 @@ import contextlib
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from eagle3_pipeline.drafter.conventions import RunConventions
+from eagle3_pipeline.drafter.families import FamilyParams
 from eagle3_pipeline.params import TrainParams
 from eagle3_pipeline.serving.chat import API_KEY_VAR
 from eagle3_pipeline.training.checkpoints import discard_incomplete, exact_resume
 from eagle3_pipeline.training.data import check_layer_count
+from eagle3_pipeline.training.family_flags import draft_model_class, trainer_flags
 from eagle3_pipeline.training.init_from import init_from_checkpoint
 from eagle3_pipeline.training.metrics import MetricsCallback, metrics_tap
 from eagle3_pipeline.training.online_backend import split_backend_flags
@@ -99,6 +101,9 @@ class TrainSettings:
     draft_layer_config: dict[str, Any] | None = None
     # Online mode: speculators flags (training.online.speculators_flags) merged over the store's.
     online_flags: dict[str, Any] | None = None
+    # The drafter family (drafter.families) and, for P-EAGLE and DFlash, its resolved mask token.
+    family: FamilyParams = field(default_factory=FamilyParams)
+    mask_token_id: int | None = None
 
     @property
     def draft_config_file(self) -> Path:
@@ -118,10 +123,11 @@ class TrainSettings:
         conventions: RunConventions,
         train_data_ratio: float,
         nodes: int = 1,
+        mask_token_id: int | None = None,
     ) -> TrainSettings:
         """The settings of the `train` stage. Every step's metrics reach DVCLive;
         `t.log_every_steps` thins the log lines only (metrics.MetricsSink). `nodes`: training
-        nodes, each running t.nproc processes."""
+        nodes, each running t.nproc processes. `mask_token_id`: drafter.mask_token's choice."""
         return cls(
             data_dir=data_dir,
             verifier_dir=verifier_dir,
@@ -150,6 +156,8 @@ class TrainSettings:
             init_vocab_mismatch=t.init_vocab_mismatch,
             **conventions.flags,
             draft_layer_config=conventions.layer_config,
+            family=t.family,
+            mask_token_id=mask_token_id,
         )
 
 
@@ -180,7 +188,7 @@ def run_training(
     with (
         metrics_tap(on_metrics, lambda: steps.grad_norm),
         lm_head_trainable() if s.train_lm_head else nothing,
-        hidden_state_noise(s.noise_std) if s.noise_std > 0 else nothing,
+        hidden_state_noise(s.noise_std, s.family.speculator_type) if s.noise_std > 0 else nothing,
         exact_resume(s.keep_last, exact=not s.fsdp),
         steps.patched(),
         sampler_rank_guard(),
@@ -209,13 +217,12 @@ def initial_drafter(s: TrainSettings, on_init_line: Callable[[str], None] = prin
     """The drafter speculators' trainer starts from (step 0): built by its own
     `build_draft_model` from these settings, with the same init and lm_head patches."""
     apply_cpu_shims()
-    from speculators.model import SpeculatorModel
     from speculators.train.cli import build_draft_model, parse_vocab_mappings
 
     _write_draft_config(s)
     args = argparse.Namespace(**build_train_config(s).flatten())
     d2t, t2d, draft_vocab_size = parse_vocab_mappings(args)
-    model_class = SpeculatorModel.registry["eagle3"]  # type: ignore[index]
+    model_class = draft_model_class(s.family.speculator_type)
     with (
         lm_head_trainable() if s.train_lm_head else contextlib.nullcontext(),
         init_from_checkpoint(
@@ -248,20 +255,25 @@ def build_train_config(s: TrainSettings) -> Any:
     """speculators' TrainConfig for these settings (also what `speculators train` would get)."""
     from speculators.train.config import TrainConfig
 
-    flags: dict[str, Any] = {
-        "speculator_type": "eagle3",
-        "seed": s.seed,
-        "verifier_name_or_path": str(s.verifier_dir),
-        "target_layer_ids": list(s.target_layer_ids),
+    family = trainer_flags(s.family, s.mask_token_id)
+    # EAGLE-3's wiring flags; DFlash has none of them (its decoder is its own).
+    wiring = {
         "norm_before_residual": s.norm_before_residual,
         "norm_before_fc": s.norm_before_fc,
         "fc_norm": s.fc_norm,
         "norm_output": s.norm_output,
+    }
+    flags: dict[str, Any] = {
+        "speculator_type": family.pop("speculator_type"),
+        "seed": s.seed,
+        "verifier_name_or_path": str(s.verifier_dir),
+        "target_layer_ids": list(s.target_layer_ids),
+        **(wiring if s.family.name != "dflash" else {}),
         "draft_vocab_size": s.draft_vocab_size,
         "d2t_path": str(s.d2t_path),
         "t2d_path": str(s.t2d_path),
-        # Only DFlash-family drafters use it; explicit so speculators loads no tokenizer.
-        "mask_token_id": 0,
+        # Explicit even for EAGLE-3 (which never reads it), so speculators loads no tokenizer.
+        "mask_token_id": family.pop("mask_token_id"),
         "data_path": str(s.data_dir),
         # Reads bf16 files as they are and dequantizes fp8 files that carry scales.
         "hidden_states_backend": "fp8",
@@ -279,13 +291,15 @@ def build_train_config(s: TrainSettings) -> Any:
         "epochs": s.epochs,
         "save_path": str(s.save_dir),
         "log_freq": s.metrics_every_steps,
+        **family,  # the family's own knobs (none for EAGLE-3)
     }
     if s.draft_layer_config is not None:
         # The init checkpoint's decoder layer (heads, sizes, rope, eps), not one shaped like the
         # verifier: its tensors only load, and mean what they meant, in that layer.
         flags["draft_config"] = str(s.draft_config_file)
-    else:
+    elif s.family.name != "dflash":
         flags |= {"draft_arch": "llama", "num_layers": 1}
+    # DFlash: speculators' recipe (a Qwen3-style stack of 5 layers) unless num_layers is set.
     if s.fsdp:
         flags["fsdp_shard"] = True
     if s.online_flags:

@@ -145,27 +145,34 @@ def lm_head_trainable() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def hidden_state_noise(std: float) -> Iterator[None]:
+def hidden_state_noise(std: float, speculator_type: str = "eagle3") -> Iterator[None]:
     """Gaussian noise on the verifier features fed to the drafter, in training steps only.
 
     Makes the drafter robust to small differences between stored and served features (bf16,
     other kernels, fp8 store). Validation (model.eval()) sees clean features. The noise comes
-    from torch's global RNG, which speculators seeds, so runs stay reproducible.
+    from torch's global RNG, which speculators seeds, so runs stay reproducible. The patch is
+    on the class of `speculator_type` itself: P-EAGLE overrides EAGLE-3's forward, so a patch
+    of EAGLE-3's would never run for it.
     """
-    from speculators.models.eagle3.core import Eagle3DraftModel
+    from eagle3_pipeline.training.family_flags import draft_model_class
 
-    original = Eagle3DraftModel.forward
+    model_class = draft_model_class(speculator_type)
+    had_own = "forward" in vars(model_class)
+    original = model_class.forward
 
     def noisy_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.training:
             hidden_states = hidden_states + torch.randn_like(hidden_states) * std
         return original(self, hidden_states, *args, **kwargs)
 
-    Eagle3DraftModel.forward = noisy_forward
+    model_class.forward = noisy_forward
     try:
         yield
     finally:
-        Eagle3DraftModel.forward = original
+        if had_own:
+            model_class.forward = original
+        else:
+            del model_class.forward
 
 
 class StepControl:

@@ -27,7 +27,17 @@ class _Live:
 
 def test_simulated_tau_chains_conditional_accuracy() -> None:
     assert metrics.simulated_tau({"cond_acc_0": 0.5, "cond_acc_1": 0.5}, 2) == 1.75
-    assert metrics.simulated_tau({}, 3) == 1.0
+    assert metrics.simulated_tau({"cond_acc_0": 0.0}, 3) == 1.0
+
+
+def test_parallel_families_report_their_own_positions() -> None:
+    """P-EAGLE and DFlash log position_k_acc (no chained cond_acc): the line shows those, the
+    acceptance length is DFlash's own `eal` and none for P-EAGLE (never a made-up 1.0)."""
+    peagle = {"loss": 1.0, "position_1_acc": 0.2, "position_0_acc": 0.5, "full_acc": 0.3}
+    assert metrics.position_accs(peagle, 3) == [("acc0", 0.5), ("acc1", 0.2)]
+    assert metrics.position_accs({"full_acc_0": 0.4}, 2)[0] == ("acc0", 0.4)
+    assert metrics.simulated_tau({"position_0_acc": 0.5}, 3) is None
+    assert metrics.simulated_tau({"eal": 1.4, "position_1_acc": 0.5}, 3) == 1.4
 
 
 def test_sink_logs_series_and_lines(capsys: pytest.CaptureFixture[str]) -> None:

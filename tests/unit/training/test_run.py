@@ -29,6 +29,7 @@ NOT_SETTINGS = {
     "flags": "drafter.conventions -> the four flag fields (test_settings_carry_conventions)",
     "hidden_states": "the stage: online -> online_flags (test_online_flags_reach_speculators)",
     "online": "training.online.speculators_flags -> online_flags",
+    "family": "as is (test_family_reaches_settings; excludes init_from, so not in NON_DEFAULT)",
 }
 RENAMED = {"max_tokens_per_batch": "total_seq_len"}
 # A value unlike the default for each carried field, so a forgotten one shows.
@@ -91,6 +92,13 @@ def test_settings_carry_every_train_param() -> None:
     assert settings.d2t_path == Path("data/vocab/d2t.npy")
     assert settings.t2d_path == Path("data/vocab/t2d.npy")
     assert settings.metrics_every_steps == 1  # every step to DVCLive
+
+
+def test_family_reaches_settings() -> None:
+    from eagle3_pipeline.drafter.families import FamilyParams
+
+    family = FamilyParams(name="dflash", block_size=4)
+    assert _settings_from(TrainParams(family=family)).family == family
 
 
 def test_settings_carry_conventions(tmp_path: Path) -> None:

@@ -1,0 +1,91 @@
+"""Drafter families the train stage builds with speculators' trainer, and their knobs.
+
+A family is a `--speculator-type` of speculators 0.9 that vLLM 0.32 also serves, trained from
+the same hidden-state files: `eagle3` (chained drafting: one pass per draft token), `peagle`
+(P-EAGLE: EAGLE-3's drafter trained to draft `num_depths` tokens in one parallel pass) and
+`dflash` (block diffusion: a small Qwen3-style stack drafts a block of `block_size` tokens in
+one non-causal pass). P-EAGLE and DFlash feed a mask token in the positions they draft, which
+must be one the verifier never emits (drafter.mask_token). EAGLE-3.1 is not a type in either
+installed library, so it is refused by name rather than trained as something else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+FamilyName = Literal["eagle3", "peagle", "dflash"]
+
+# The knobs each family reads; any other knob set on a family is refused (it would be ignored).
+KNOBS: dict[str, frozenset[str]] = {
+    "eagle3": frozenset(),
+    "peagle": frozenset(
+        {"mask_token_id", "num_depths", "down_sample_ratio", "down_sample_ratio_min", "max_anchors"}
+    ),
+    "dflash": frozenset({"mask_token_id", "block_size", "num_layers", "max_anchors"}),
+}
+# How a family drafts k tokens: one forward pass per token, or all of them in one pass.
+DRAFTING: dict[str, Literal["chained", "parallel"]] = {
+    "eagle3": "chained",
+    "peagle": "parallel",
+    "dflash": "parallel",
+}
+_NOT_INSTALLED = {
+    "eagle3.1": "EAGLE-3.1 is neither a speculator type of speculators 0.9.0 nor a method of "
+    "vLLM 0.32 (the locked versions): use eagle3, peagle or dflash",
+}
+
+
+class FamilyParams(BaseModel):
+    """`train.family`: which drafter train builds, and the knobs of that family only.
+
+    null knobs keep speculators' defaults (P-EAGLE: 8 depths, COD ratios 0.7 / 0.2; DFlash:
+    block 16, 5 layers; both: 512 anchors per sequence). mask_token_id null: the tokenizer's
+    mask token, else the first embedding row no tokenizer id uses (drafter.mask_token).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: FamilyName = "eagle3"
+    mask_token_id: int | None = Field(None, ge=0)
+    num_depths: int | None = Field(None, ge=2)
+    down_sample_ratio: float | None = Field(None, gt=0.0, le=1.0)
+    down_sample_ratio_min: float | None = Field(None, gt=0.0, le=1.0)
+    max_anchors: int | None = Field(None, ge=1)
+    block_size: int | None = Field(None, ge=2)
+    num_layers: int | None = Field(None, ge=1)
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _known(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.lower() in _NOT_INSTALLED:
+            raise ValueError(_NOT_INSTALLED[value.lower()])
+        return value
+
+    @model_validator(mode="after")
+    def _own_knobs(self) -> FamilyParams:
+        for knob in sorted(self.knobs()):
+            if knob not in KNOBS[self.name]:
+                owners = [f for f, knobs in KNOBS.items() if knob in knobs]
+                raise ValueError(
+                    f"{knob} is a knob of {' and '.join(owners)}, not of family {self.name}: "
+                    f"remove train.family.{knob}"
+                )
+        return self
+
+    def knobs(self) -> dict[str, Any]:
+        """The knobs set (not null), by name."""
+        return {k: v for k, v in self.model_dump(exclude={"name"}).items() if v is not None}
+
+    @property
+    def speculator_type(self) -> str:
+        return self.name
+
+    @property
+    def uses_mask_token(self) -> bool:
+        return "mask_token_id" in KNOBS[self.name]
+
+    @property
+    def drafting(self) -> Literal["chained", "parallel"]:
+        return DRAFTING[self.name]
