@@ -34,21 +34,33 @@ def stage_deps_lines(stage: str) -> list[str]:
     return [own] + [r for r in rels if "/" in r] + [r for r in rels if "/" not in r]
 
 
+def _block(text: str, stage: str) -> tuple[re.Match[str], str]:
+    """The stage's `cmd:` + `deps:` lines and the indent of its deps (a `foreach` stage's are
+    under `do:`, two spaces deeper)."""
+    plain = rf"(\n  {stage}:\n    cmd: [^\n]*\n    deps:\n)((?:      - [^\n]*\n)+)"
+    foreach = rf"(\n  {stage}:\n    foreach: [^\n]*\n    do:\n      cmd: [^\n]*\n      deps:\n)"
+    for pattern, indent in ((plain, "      "), (foreach + r"((?:        - [^\n]*\n)+)", "  " * 4)):
+        m = re.search(pattern, text)
+        if m is not None:
+            return m, indent
+    raise SystemExit(f"dvc.yaml: stage {stage}: expected `cmd:` then `deps:` lines")
+
+
 def rewrite(text: str, stages: list[str], params: Params | None = None) -> str:
-    for stage in stages:
-        m = re.search(rf"(\n  {stage}:\n    cmd: [^\n]*\n    deps:\n)((?:      - [^\n]*\n)+)", text)
-        if m is None:
-            raise SystemExit(f"dvc.yaml: stage {stage}: expected `cmd:` then `deps:` lines")
+    for name in stages:
+        m, indent = _block(text, name)
+        # The module is the command's (`eagle3 train --family ...` runs stages/train.py).
+        stage = re.search(r"cmd: eagle3 (\w+)", m.group(1)).group(1)  # type: ignore[union-attr]
         others = [
             line
             for line in m.group(2).splitlines(True)
             if "${pkg}" not in line and stage_deps.PARAM_MARK not in line
         ]
-        code = "".join(f"      - ${{pkg}}/{r}\n" for r in stage_deps_lines(stage))
+        code = "".join(f"{indent}- ${{pkg}}/{r}\n" for r in stage_deps_lines(stage))
         wanted = stage_deps.path_params(stage, params) if params is not None else {}
         literal = [d for d in map(stage_deps.dep_path, others) if "${" not in d]
         extra = "".join(
-            f"      - {path}  {stage_deps.PARAM_MARK}{key}\n"
+            f"{indent}- {path}  {stage_deps.PARAM_MARK}{key}\n"
             for key, path in wanted.items()
             if not stage_deps.covered(path, literal, REPO)
         )

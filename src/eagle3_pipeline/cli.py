@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in STAGES.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         _common_args(p)
+        if name == "train":
+            p.add_argument(
+                "--family",
+                metavar="NAME",
+                help="train the `families` entry NAME instead (DVC stage family@NAME): its "
+                "outputs go to models/families/NAME and metrics/families/NAME",
+            )
         if name == "extract":
             p.add_argument(
                 "--shard",
@@ -226,18 +233,24 @@ def main(argv: list[str] | None = None) -> int:
         shard = getattr(args, "shard", None)
         if params.cluster.engine == "ray" and shard is None and args.stage in FANNED_OUT:
             _fan_out(args.stage, params, args.params)
+        family = getattr(args, "family", None)
+        name = f"family@{family}" if family else args.stage  # what its records are named
+        # A families branch shares train's scratch (a run is keyed by what it computes): one lock.
         with stage_lock.hold(args.stage, shard):  # one writer per output, released on any exit
-            swept = stage_lock.sweep(args.stage)
+            swept = [p for s in dict.fromkeys([args.stage, name]) for p in stage_lock.sweep(s)]
             if swept:
                 print(
-                    f"[{args.stage}] removed what a killed run left: {len(swept)} temp file(s), "
+                    f"[{name}] removed what a killed run left: {len(swept)} temp file(s), "
                     f"e.g. {swept[0]}",
                     flush=True,
                 )
-            module.run(params, shard=shard) if shard else module.run(params)
+            if family:
+                module.run(*module.family_branch(params, family))
+            else:
+                module.run(params, shard=shard) if shard else module.run(params)
             elapsed_s = time.monotonic() - t0
-        provenance.record(args.stage, params, params_path=args.params, duration_s=elapsed_s)
-        print(f"[{args.stage}] done in {elapsed_s:.1f} s", flush=True)
+        provenance.record(name, params, params_path=args.params, duration_s=elapsed_s)
+        print(f"[{name}] done in {elapsed_s:.1f} s", flush=True)
         return 0
     except PipelineError as exc:
         if args.debug:

@@ -20,7 +20,7 @@ from pydantic import (
 )
 
 from eagle3_pipeline import paths
-from eagle3_pipeline.drafter.families import FamilyParams
+from eagle3_pipeline.drafter.families import Families, FamilyParams
 from eagle3_pipeline.errors import ParamsError
 from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
 
@@ -382,6 +382,7 @@ class Params(_Strict):
     export: ExportParams = Field(default_factory=ExportParams)
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     cluster: ClusterParams = Field(default_factory=ClusterParams)
+    families: Families = Field(default_factory=dict)  # docs/families.md
 
     @model_validator(mode="after")
     def _tiny_layer_ids(self, info: ValidationInfo) -> Params:

@@ -20,6 +20,7 @@ HIDDEN_STATES = Path("data/hidden_states")
 VOCAB = Path("data/vocab")
 TRAINED = Path("models/trained")
 DRAFTER = Path("models/drafter")
+FAMILIES_MODELS = Path("models/families")  # one folder per `families` branch
 
 METRICS = Path("metrics")
 VOCAB_METRICS = METRICS / "vocab.json"
@@ -27,6 +28,7 @@ TRAIN_METRICS = METRICS / "train.json"
 TRAIN_LIVE = METRICS / "train"
 EVAL_METRICS = METRICS / "eval.json"
 PROVENANCE = METRICS / "provenance"
+FAMILIES_METRICS = METRICS / "families"
 
 # Scratch: in-progress work of resumable stages; git-ignored, never a DVC output.
 SCRATCH = Path("data/.work")

@@ -46,6 +46,14 @@ STAGE_OUTPUTS: dict[str, tuple[Path, ...]] = {
 _SHARED_SCRATCH = {"extract"}
 
 
+def outputs_of(stage: str) -> tuple[Path, ...]:
+    """The stage's DVC outputs; `family@NAME` (a `families` branch) has its own two folders."""
+    if stage.startswith("family@"):
+        name = stage.removeprefix("family@")
+        return (paths.FAMILIES_MODELS / name, paths.FAMILIES_METRICS / name)
+    return STAGE_OUTPUTS.get(stage, ())
+
+
 class StageBusyError(PipelineError):
     """The same stage is already running and writing the same outputs."""
 
@@ -100,7 +108,7 @@ def hold(stage: str, shard: tuple[int, int] | None = None) -> Iterator[None]:
 def sweep(stage: str) -> list[Path]:
     """Remove the temp files a killed run of `stage` left; call while holding its lock."""
     removed: list[Path] = []
-    for out in (*STAGE_OUTPUTS.get(stage, ()), paths.PROVENANCE / f"{stage}.json"):
+    for out in (*outputs_of(stage), paths.PROVENANCE / f"{stage}.json"):
         removed += atomic.sweep_temps(out)
     scratch = paths.SCRATCH / stage
     if stage not in _SHARED_SCRATCH and scratch.is_dir():

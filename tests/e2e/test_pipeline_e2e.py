@@ -70,6 +70,36 @@ def test_metrics_are_sane(pipeline: Path) -> None:
     assert float(loss[-1].split()[1]) < float(loss[1].split()[1])  # training lowered the loss
 
 
+def test_family_branches(pipeline: Path) -> None:
+    """P-EAGLE and DFlash trained from the same store as branches, their val metrics numbered
+    alike beside train's in `dvc metrics show`; an entry's edit reruns its branch alone."""
+    shown = json.loads(run_in(pipeline, "dvc", "metrics", "show", "--json"))
+    files = next(iter(shown.values()))["data"]
+    for name, kind in (("peagle", "peagle"), ("dflash", "dflash")):
+        cfg = json.loads((pipeline / f"models/families/{name}/best/config.json").read_text())
+        assert cfg["speculators_model_type"] == kind and cfg["mask_token_id"] == 1
+        metrics = files[f"metrics/families/{name}/train.json"]["data"]
+        drafter = metrics["drafter"]
+        assert drafter["family"] == kind and drafter["drafting"] == "parallel"
+        assert set(drafter["val_accuracy_by_position"]) == {"1", "2", "3"}
+        loss = pipeline / f"metrics/families/{name}/train/plots/metrics/train/loss.tsv"
+        rows = loss.read_text().splitlines()[1:]
+        first, last = rows[: len(rows) // 4], rows[-(len(rows) // 4) :]
+        mean = [sum(float(r.split()[1]) for r in part) / len(part) for part in (first, last)]
+        assert mean[1] < mean[0], f"{name} did not lower its train loss: {mean}"
+    assert drafter["val_acceptance_length"] >= 1.0  # DFlash reports its own
+    assert "drafter" not in files["metrics/train.json"]["data"]  # train's file as before
+    params = pipeline / "params.yaml"
+    original = params.read_text()
+    try:
+        edited = yaml.safe_load(original)
+        edited["families"]["peagle"]["num_depths"] = 4
+        params.write_text(yaml.safe_dump(edited))
+        assert set(json.loads(run_in(pipeline, "dvc", "status", "--json"))) == {"family@peagle"}
+    finally:
+        params.write_text(original)
+
+
 def test_drafter_config(pipeline: Path) -> None:
     cfg = json.loads((pipeline / "models/drafter/config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
@@ -101,8 +131,9 @@ def test_second_repro_is_noop_and_deps_are_per_stage(pipeline: Path) -> None:
         train_py.write_text(original)
 
 
-def _stages() -> list[str]:
-    return list(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"])
+def _stages(repo: Path) -> list[str]:
+    """Stage names as DVC runs them: a `foreach` stage once per entry (family@peagle)."""
+    return list(yaml.safe_load((repo / "dvc.lock").read_text())["stages"])
 
 
 def lock_outs(repo: Path) -> dict[str, str]:
@@ -114,8 +145,10 @@ def lock_outs(repo: Path) -> dict[str, str]:
 def test_every_stage_records_provenance_outside_the_outputs(pipeline: Path) -> None:
     init = run_in(pipeline, "git", "rev-list", "--max-parents=0", "HEAD").strip()
     records = {
-        s: json.loads((pipeline / f"metrics/provenance/{s}.json").read_text()) for s in _stages()
+        s: json.loads((pipeline / f"metrics/provenance/{s}.json").read_text())
+        for s in _stages(pipeline)
     }
+    assert {"train", "family@peagle", "family@dflash", "evaluate"} <= set(records)
     for stage, rec in records.items():
         assert rec["stage"] == stage and rec["dvc_stage"] == stage
         assert rec["git_commit"] == init

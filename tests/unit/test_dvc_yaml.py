@@ -18,11 +18,15 @@ STAGES = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
 
 @pytest.mark.parametrize("stage", sorted(STAGES))
 def test_stage_deps_match_imports(stage: str) -> None:
-    """Fix with `python scripts/dvc_deps.py`."""
-    deps = {d.replace("${pkg}", "src/eagle3_pipeline") for d in STAGES[stage]["deps"]}
+    """Fix with `python scripts/dvc_deps.py`. A `foreach` stage (family@NAME) runs the module
+    its command names, for one entry (`--family ${key}`)."""
+    body = STAGES[stage].get("do", STAGES[stage])
+    deps = {d.replace("${pkg}", "src/eagle3_pipeline") for d in body["deps"]}
     code_deps = {REPO / d for d in deps if d.endswith(".py")}
-    assert code_deps == dvc_deps.closure(f"eagle3_pipeline.stages.{stage}")
-    assert STAGES[stage]["cmd"] == f"eagle3 {stage} --params params.yaml"
+    module = {"family": "train"}.get(stage, stage)
+    assert code_deps == dvc_deps.closure(f"eagle3_pipeline.stages.{module}")
+    branch = " --family ${key}" if "foreach" in STAGES[stage] else ""
+    assert body["cmd"] == f"eagle3 {module} --params params.yaml{branch}"
 
 
 def test_package_modules_count_as_deps(tmp_path: Path) -> None:
@@ -52,3 +56,18 @@ def test_every_init_is_empty() -> None:
     """A package __init__ with code would be imported by every stage below it, unlisted."""
     for init in PKG.rglob("__init__.py"):
         assert init.read_text().strip() == "", init
+
+
+def test_rewrite_keeps_a_foreach_stage_under_do() -> None:
+    """`family@NAME` runs stages/train.py: its deps are train's code, indented under `do:`."""
+    text = (
+        "stages:\n  family:\n    foreach: ${families}\n    do:\n"
+        "      cmd: eagle3 train --params params.yaml --family ${key}\n"
+        "      deps:\n        - ${pkg}/stages/train.py\n        - data/vocab\n"
+        "      outs:\n        - models/families/${key}\n"
+    )
+    new = dvc_deps.rewrite(text, ["family"])
+    body = yaml.safe_load(new)["stages"]["family"]["do"]
+    code = {d.replace("${pkg}", "src/eagle3_pipeline") for d in body["deps"] if d.endswith(".py")}
+    assert {REPO / d for d in code} == dvc_deps.closure("eagle3_pipeline.stages.train")
+    assert "data/vocab" in body["deps"] and body["outs"] == ["models/families/${key}"]

@@ -27,9 +27,12 @@ def _dvc_paths() -> set[str]:
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     found: set[str] = set()
     for stage in stages.values():
+        body = stage.get("do", stage)  # a `foreach` stage's entries are under `do`
         for key in ("deps", "outs", "metrics"):
-            for entry in stage.get(key, []):
+            for entry in body.get(key, []):
                 found.add(next(iter(entry)) if isinstance(entry, dict) else entry)
+    # A branch's folder (models/families/${key}) is its family's folder under the constant.
+    found = {p.split("/${key}")[0] if "/${key}" in p else p for p in found}
     return {p for p in found if "${" not in p}
 
 

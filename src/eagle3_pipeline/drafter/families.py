@@ -11,9 +11,10 @@ installed library, so it is refused by name rather than trained as something els
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 FamilyName = Literal["eagle3", "peagle", "dflash"]
 
@@ -89,3 +90,22 @@ class FamilyParams(BaseModel):
     @property
     def drafting(self) -> Literal["chained", "parallel"]:
         return DRAFTING[self.name]
+
+
+_BRANCH = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")
+
+
+def _branch_names(families: dict[str, FamilyParams]) -> dict[str, FamilyParams]:
+    for key in families:
+        if not _BRANCH.fullmatch(key):
+            raise ValueError(
+                f"families.{key}: a branch name is a path segment and a DVC stage suffix "
+                "(family@NAME): use at most 40 lowercase letters, digits, '_' and '-' (a dot "
+                "would nest the params key)"
+            )
+    return families
+
+
+# `families`: the further drafters trained beside `train`'s, one DVC branch each (family@NAME),
+# from the same store, rows and vocab; each entry is a FamilyParams.
+Families = Annotated[dict[str, FamilyParams], AfterValidator(_branch_names)]

@@ -14,8 +14,6 @@ from typing import Any
 
 from eagle3_pipeline.errors import ParamsError
 
-FIELD = "train.family.mask_token_id"
-
 
 def resolve_mask_token(
     tokenizer: Any,
@@ -24,6 +22,7 @@ def resolve_mask_token(
     rows: Iterable[list[int]],
     *,
     where: str = "params.yaml",
+    field: str = "train.family.mask_token_id",
 ) -> tuple[int, str]:
     """(mask id, how it was chosen); ParamsError naming the field when it is unusable.
 
@@ -31,26 +30,27 @@ def resolve_mask_token(
     that no tokenizer id uses (ids past len(tokenizer) are rows no text maps to).
     """
     if explicit is not None:
-        chosen, how = explicit, "train.family.mask_token_id"
+        chosen, how = explicit, field
     elif getattr(tokenizer, "mask_token_id", None) is not None:
         chosen, how = int(tokenizer.mask_token_id), f"the tokenizer's {tokenizer.mask_token!r}"
     elif len(tokenizer) < vocab_size:
         chosen, how = len(tokenizer), "the first embedding row no tokenizer id uses"
     else:
         raise ParamsError(
-            f"{where}: field '{FIELD}': the verifier's tokenizer has no mask token and every "
-            f"one of its {vocab_size} embedding rows is a token: set {FIELD} to a reserved "
+            f"{where}: field '{field}': the verifier's tokenizer has no mask token and every "
+            f"one of its {vocab_size} embedding rows is a token: set {field} to a reserved "
             "special token's id"
         )
-    _check_tokenizer(tokenizer, vocab_size, chosen, where)
-    _check_rows(chosen, rows, where)
+    at = f"{where}: field '{field}'"
+    _check_tokenizer(tokenizer, vocab_size, chosen, at)
+    _check_rows(chosen, rows, at)
     return chosen, how
 
 
-def _check_tokenizer(tokenizer: Any, vocab_size: int, token_id: int, where: str) -> None:
+def _check_tokenizer(tokenizer: Any, vocab_size: int, token_id: int, at: str) -> None:
     if token_id >= vocab_size:
         raise ParamsError(
-            f"{where}: field '{FIELD}': {token_id} is past the verifier's {vocab_size} embedding "
+            f"{at}: {token_id} is past the verifier's {vocab_size} embedding "
             f"rows: choose an id below {vocab_size}"
         )
     emitted = {
@@ -59,7 +59,7 @@ def _check_tokenizer(tokenizer: Any, vocab_size: int, token_id: int, where: str)
     }
     if token_id in emitted:
         raise ParamsError(
-            f"{where}: field '{FIELD}': {token_id} is the tokenizer's {emitted[token_id]}, a "
+            f"{at}: {token_id} is the tokenizer's {emitted[token_id]}, a "
             "token in the verifier's text: choose a reserved special token or an unused row"
         )
     if token_id >= len(tokenizer):
@@ -69,24 +69,27 @@ def _check_tokenizer(tokenizer: Any, vocab_size: int, token_id: int, where: str)
     if token_id not in special | added:
         text = tokenizer.convert_ids_to_tokens(token_id)
         raise ParamsError(
-            f"{where}: field '{FIELD}': {token_id} is the ordinary token {text!r}, which the "
+            f"{at}: {token_id} is the ordinary token {text!r}, which the "
             "verifier can emit: choose a reserved special token or an id >= "
             f"{len(tokenizer)} (rows no text maps to)"
         )
 
 
-def _check_rows(token_id: int, rows: Iterable[list[int]], where: str) -> None:
+def _check_rows(token_id: int, rows: Iterable[list[int]], at: str) -> None:
     for n, ids in enumerate(rows):
         if token_id in ids:
             raise ParamsError(
-                f"{where}: field '{FIELD}': {token_id} occurs in the training data (row {n} of "
+                f"{at}: {token_id} occurs in the training data (row {n} of "
                 "data/tokenized): the verifier emits it, so it cannot mark drafted positions; "
                 "choose another id"
             )
 
 
-def for_run(params: Any, rows: list[list[int]]) -> tuple[int, str] | None:
-    """The run's (mask id, how chosen) when its family drafts with one (params: Params)."""
+def for_run(
+    params: Any, rows: list[list[int]], family_key: str = "train.family"
+) -> tuple[int, str] | None:
+    """The run's (mask id, how chosen) when its family drafts with one (params: Params;
+    `family_key`: where params.yaml holds the family, for the error lines)."""
     family = params.train.family
     if not family.uses_mask_token:
         return None
@@ -94,4 +97,7 @@ def for_run(params: Any, rows: list[list[int]]) -> tuple[int, str] | None:
     from eagle3_pipeline.verifier.loading import load_tokenizer
 
     _, _, vocab_size = vf.shape(vf.read_config(params.verifier.path))
-    return resolve_mask_token(load_tokenizer(params), vocab_size, family.mask_token_id, rows)
+    field = f"{family_key}.mask_token_id"
+    return resolve_mask_token(
+        load_tokenizer(params), vocab_size, family.mask_token_id, rows, field=field
+    )

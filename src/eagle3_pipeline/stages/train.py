@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,6 @@ from eagle3_pipeline.progress import log
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.training import online
 from eagle3_pipeline.training.checkpoints import (
-    best_checkpoint,
     discard_incomplete,
     resume_epoch,
 )
@@ -52,13 +50,13 @@ from eagle3_pipeline.training.data import (
     write_training_data,
 )
 from eagle3_pipeline.training.launch import launch_torchrun, torchrun_command
-from eagle3_pipeline.training.metrics import MetricsSink, open_live, read_summary, trim_live
+from eagle3_pipeline.training.metrics import MetricsSink, open_live, trim_live
 from eagle3_pipeline.training.online_backend import mooncake_env
+from eagle3_pipeline.training.publish import Outputs, publish
 from eagle3_pipeline.training.run import TrainSettings, build_train_config, run_training
 from eagle3_pipeline.verifier import identity as vf
 
 STAGE = "train"
-CHECKPOINT_FILES = ("config.json", "model.safetensors")
 
 
 @dataclass(frozen=True)
@@ -71,6 +69,7 @@ class TrainInputs:
     work: Path
     row_ids: list[str]  # sample id of each row, in the order speculators indexes them
     mask: tuple[int, str] | None = None  # P-EAGLE/DFlash mask token id, and how it was chosen
+    record_as: str = STAGE  # the stage name of cluster records: train, or family@NAME
 
     @property
     def aux(self) -> list[int]:
@@ -94,14 +93,16 @@ class TrainInputs:
         return self.work / "live"
 
 
-def run(params: Params) -> None:
+def run(params: Params, outputs: Outputs | None = None) -> None:
+    """Train and publish to `outputs` (None: the stage's; a `family@NAME` branch passes its own)."""
+    outputs = outputs or Outputs()
     t = params.train
     if t.strategy == "fsdp" and not _distributed(params):
         raise ParamsError(
             "params.yaml: train.strategy=fsdp shards the drafter across processes but "
             "train.nproc=1 on one node: set train.nproc to the number of GPUs, or strategy: ddp"
         )
-    inputs = _inputs(params)
+    inputs = dataclasses.replace(_inputs(params, outputs.family_key), record_as=outputs.stage)
     write_training_data(inputs.data_dir, inputs.samples)
     if not sys.stdout.isatty():
         os.environ.setdefault("TQDM_DISABLE", "1")  # bars are noise in a log file
@@ -127,7 +128,7 @@ def run(params: Params) -> None:
             _launch(params, inputs)
         else:
             _train(params, inputs)
-    _publish(params, inputs)
+    publish(outputs, inputs.live_dir, inputs.save_dir, t.epochs, t.family)
 
 
 def _train_online(params: Params, inputs: TrainInputs) -> None:
@@ -153,6 +154,20 @@ def _train_online(params: Params, inputs: TrainInputs) -> None:
             _launch(_served_by(params, source), inputs)
         else:
             _train(params, inputs, flags, source)
+
+
+def family_branch(params: Params, name: str) -> tuple[Params, Outputs]:
+    """The params and outputs of `family@NAME`: train's, with train.family = families[NAME]
+    (an EAGLE-3 entry keeps train.init_from; the others train from scratch)."""
+    entry = params.families.get(name)
+    if entry is None:
+        raise ParamsError(
+            f"params.yaml: field 'families': no entry {name!r} (entries: "
+            f"{', '.join(params.families) or 'none'}): add it or fix --family"
+        )
+    init_from = params.train.init_from if entry.name == "eagle3" else None
+    t = params.train.model_copy(update={"family": entry, "init_from": init_from})
+    return params.model_copy(update={"train": t}), Outputs.of_family(name)
 
 
 def _check_and_log(
@@ -205,7 +220,7 @@ def _check_server(
     )
 
 
-def _inputs(params: Params) -> TrainInputs:
+def _inputs(params: Params, family_key: str = "train.family") -> TrainInputs:
     t = params.train
     n_layers, _, _ = vf.shape(vf.read_config(params.verifier.path))
     conventions = run_conventions(params, n_layers)
@@ -215,7 +230,8 @@ def _inputs(params: Params) -> TrainInputs:
     # Never train on a damaged file: DVC's hardlinked cache would not notice one changed in place.
     store.verify_hashes(paths.HIDDEN_STATES, manifest)
     samples, n_train, row_ids = _samples(manifest, online=t.hidden_states == "online")
-    mask = mask_token.for_run(params, [s["input_ids"] for s in samples])  # before weights load
+    # Before any weights load; `family_key` names the family's params in an error line.
+    mask = mask_token.for_run(params, [s["input_ids"] for s in samples], family_key)
     # Knobs that cannot change the weights do not restart a run; nor does EAGLE-3 being named.
     knobs = {"log_every_steps", "num_workers", "keep_last", "online"}
     key = resume.fingerprint(
@@ -232,7 +248,10 @@ def _inputs(params: Params) -> TrainInputs:
         # Another world size is another run (a single node keeps its key).
         *([{"train_nodes": _nodes(params)}] if _nodes(params) > 1 else []),
     )
-    work = resume.scratch_dir(STAGE, key)
+    # Each family (and its knobs) has its own scratch, so branches do not empty each other's.
+    own = resume.fingerprint(t.family.model_dump())[:8]
+    scratch = STAGE if t.family == FamilyParams() else f"{STAGE}-{t.family.name}-{own}"
+    work = resume.scratch_dir(scratch, key)
     return TrainInputs(conventions, samples, n_train, work, row_ids, mask)
 
 
@@ -377,34 +396,7 @@ def _launch_on_cluster(
     )
     if pools:
         rec["online"] = pools.served()
-    record.write(STAGE, rec)
-
-
-def _publish(params: Params, inputs: TrainInputs) -> None:
-    """Copy the best and final checkpoints and the DVCLive series into the stage's outputs."""
-    t = params.train
-    summary = read_summary(inputs.live_dir)
-    shutil.rmtree(paths.TRAIN_LIVE, ignore_errors=True)
-    shutil.copytree(inputs.live_dir, paths.TRAIN_LIVE)
-    best = best_checkpoint(inputs.save_dir)
-    with atomic.replace_dir(paths.TRAINED) as tmp:
-        _copy_checkpoint(best, tmp / "best")
-        _copy_checkpoint(inputs.save_dir / str(t.epochs - 1), tmp / "final")
-        atomic.write_json(tmp / "summary.json", {"best_epoch": int(best.name), "epochs": t.epochs})
-    atomic.write_json(
-        paths.TRAIN_METRICS,
-        {
-            "best_epoch": int(best.name),
-            "val_at_last_epoch": {k: round(v, 6) for k, v in summary.get("val", {}).items()},
-        },
-    )
-    log(STAGE, f"best epoch {best.name} -> {paths.TRAINED}/best, final -> {paths.TRAINED}/final")
-
-
-def _copy_checkpoint(src: Path, dst: Path) -> None:
-    dst.mkdir(parents=True)
-    for name in CHECKPOINT_FILES:
-        shutil.copy2(src / name, dst / name)
+    record.write(inputs.record_as, rec)
 
 
 def _die_with_agent() -> None:

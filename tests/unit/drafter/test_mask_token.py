@@ -54,3 +54,8 @@ def test_refusals_name_the_field(
     with pytest.raises(ParamsError, match=message) as err:
         resolve_mask_token(_tokenizer(), vocab, explicit, rows)
     assert "train.family.mask_token_id" in str(err.value)
+
+
+def test_a_branch_is_named_by_its_own_key() -> None:
+    with pytest.raises(ParamsError, match=r"field 'families\.dflash\.mask_token_id': 0 is"):
+        resolve_mask_token(_tokenizer(), 8, 0, [[3]], field="families.dflash.mask_token_id")

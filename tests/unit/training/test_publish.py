@@ -1,0 +1,66 @@
+"""A run's published outputs: the train stage's as before, a branch's with a comparable summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eagle3_pipeline import paths
+from eagle3_pipeline.drafter.families import FamilyParams
+from eagle3_pipeline.errors import ParamsError
+from eagle3_pipeline.params import Params
+from eagle3_pipeline.stages.train import family_branch
+from eagle3_pipeline.training.publish import Outputs, comparable
+
+
+def test_positions_are_numbered_alike_for_every_family() -> None:
+    eagle3 = {"loss": 1.0, "full_acc_0": 0.6, "full_acc_1": 0.4, "cond_acc_0": 0.6}
+    eagle3["acceptance_length"] = 1.9
+    peagle = {"loss": 0.1, "full_acc": 0.3, "position_0_acc": 0.5, "position_1_acc": 0.2}
+    dflash = {"loss": 2.0, "position_1_acc": 0.5, "position_2_acc": 0.2, "eal": 1.6}
+    dflash["acceptance_length"] = 1.6
+    assert comparable(FamilyParams(), eagle3) == {
+        "family": "eagle3",
+        "drafting": "chained",
+        "val_accuracy_by_position": {"1": 0.6, "2": 0.4},
+        "val_acceptance_length": 1.9,
+    }
+    got = comparable(FamilyParams(name="peagle"), peagle)
+    assert got["val_accuracy_by_position"] == {"1": 0.5, "2": 0.2}
+    assert "val_acceptance_length" not in got  # P-EAGLE reports none: none is made up
+    got = comparable(FamilyParams(name="dflash"), dflash)
+    assert got["val_accuracy_by_position"] == {"1": 0.5, "2": 0.2}  # slot 1 = first drafted
+    assert got["val_acceptance_length"] == 1.6
+
+
+def test_outputs_of_a_branch() -> None:
+    out = Outputs.of_family("peagle")
+    assert out.stage == "family@peagle" and out.family_key == "families.peagle"
+    assert out.trained == paths.FAMILIES_MODELS / "peagle"
+    assert out.metrics == paths.FAMILIES_METRICS / "peagle" / "train.json"
+    assert Outputs().trained == paths.TRAINED and Outputs().metrics == paths.TRAIN_METRICS
+
+
+def test_family_branch_params() -> None:
+    params = Params.model_validate(
+        {
+            "train": {"init_from": "models/published", "epochs": 3},
+            "families": {
+                "p": {"name": "peagle", "num_depths": 3},
+                "e": {"name": "eagle3"},
+            },
+        }
+    )
+    branch, out = family_branch(params, "p")
+    assert branch.train.family.name == "peagle" and branch.train.init_from is None
+    assert branch.train.epochs == 3 and out.stage == "family@p"
+    assert params.train.family == FamilyParams()  # the params themselves are left as they were
+    assert family_branch(params, "e")[0].train.init_from == "models/published"
+    with pytest.raises(ParamsError, match=r"no entry 'x' \(entries: p, e\): add it"):
+        family_branch(params, "x")
+
+
+def test_branch_names_are_path_segments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="a dot would nest the params key"):
+        Params.model_validate({"families": {"eagle3.1": {"name": "eagle3"}}})
