@@ -46,6 +46,8 @@ def _env_defaults() -> None:
 # gathers: extract runs its shards on the nodes, then merges them here. train fans out inside the
 # stage (torchrun across nodes: cluster/torchrun.py).
 FANNED_OUT = {"extract"}
+# Stages with a branch per `families` entry, and the DVC name of the branches (docs/families.md).
+FAMILY_STAGES = {"train": "family", "evaluate": "family_eval"}
 
 
 def _fan_out(stage: str, params, params_path: str) -> None:
@@ -75,12 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in STAGES.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         _common_args(p)
-        if name == "train":
+        if name in FAMILY_STAGES:
             p.add_argument(
                 "--family",
                 metavar="NAME",
-                help="train the `families` entry NAME instead (DVC stage family@NAME): its "
-                "outputs go to models/families/NAME and metrics/families/NAME",
+                help=f"{name} the `families` entry NAME instead (DVC stage "
+                f"{FAMILY_STAGES[name]}@NAME): its outputs go under models/families/NAME and "
+                "metrics/families/NAME",
             )
         if name == "extract":
             p.add_argument(
@@ -234,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         if params.cluster.engine == "ray" and shard is None and args.stage in FANNED_OUT:
             _fan_out(args.stage, params, args.params)
         family = getattr(args, "family", None)
-        name = f"family@{family}" if family else args.stage  # what its records are named
+        name = f"{FAMILY_STAGES[args.stage]}@{family}" if family else args.stage  # its records
         # A families branch shares train's scratch (a run is keyed by what it computes): one lock.
         with stage_lock.hold(args.stage, shard):  # one writer per output, released on any exit
             swept = [p for s in dict.fromkeys([args.stage, name]) for p in stage_lock.sweep(s)]
@@ -245,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
             if family:
-                module.run(*module.family_branch(params, family))
+                module.run_family(params, family)
             else:
                 module.run(params, shard=shard) if shard else module.run(params)
             elapsed_s = time.monotonic() - t0

@@ -47,10 +47,14 @@ _SHARED_SCRATCH = {"extract"}
 
 
 def outputs_of(stage: str) -> tuple[Path, ...]:
-    """The stage's DVC outputs; `family@NAME` (a `families` branch) has its own two folders."""
-    if stage.startswith("family@"):
-        name = stage.removeprefix("family@")
-        return (paths.FAMILIES_MODELS / name, paths.FAMILIES_METRICS / name)
+    """The stage's DVC outputs, those of a `families` branch (family@NAME, family_eval@NAME)
+    included."""
+    kind, _, name = stage.partition("@")
+    metrics = paths.FAMILIES_METRICS / name
+    if kind == "family":
+        return (paths.FAMILIES_MODELS / name, metrics / "train", metrics / "train.json")
+    if kind == "family_eval":
+        return (metrics / "eval.json",)
     return STAGE_OUTPUTS.get(stage, ())
 
 

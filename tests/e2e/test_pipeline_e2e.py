@@ -87,6 +87,11 @@ def test_family_branches(pipeline: Path) -> None:
         first, last = rows[: len(rows) // 4], rows[-(len(rows) // 4) :]
         mean = [sum(float(r.split()[1]) for r in part) / len(part) for part in (first, last)]
         assert mean[1] < mean[0], f"{name} did not lower its train loss: {mean}"
+        served = files[f"metrics/families/{name}/eval.json"]["data"]
+        assert served["family"] == kind and served["lossless"]["num_diverged"] == 0
+        # vLLM served it with its family's method, and it drafts what the verifier says.
+        assert served["online"]["num_prompts"] == 6
+        assert served["online"]["mean_acceptance_length"] > 1.5, (name, served["online"])
     assert drafter["val_acceptance_length"] >= 1.0  # DFlash reports its own
     assert "drafter" not in files["metrics/train.json"]["data"]  # train's file as before
     params = pipeline / "params.yaml"
@@ -95,7 +100,8 @@ def test_family_branches(pipeline: Path) -> None:
         edited = yaml.safe_load(original)
         edited["families"]["peagle"]["num_depths"] = 4
         params.write_text(yaml.safe_dump(edited))
-        assert set(json.loads(run_in(pipeline, "dvc", "status", "--json"))) == {"family@peagle"}
+        changed = set(json.loads(run_in(pipeline, "dvc", "status", "--json")))
+        assert changed == {"family@peagle", "family_eval@peagle"}
     finally:
         params.write_text(original)
 
@@ -148,7 +154,7 @@ def test_every_stage_records_provenance_outside_the_outputs(pipeline: Path) -> N
         s: json.loads((pipeline / f"metrics/provenance/{s}.json").read_text())
         for s in _stages(pipeline)
     }
-    assert {"train", "family@peagle", "family@dflash", "evaluate"} <= set(records)
+    assert {"train", "family@peagle", "family_eval@dflash", "evaluate"} <= set(records)
     for stage, rec in records.items():
         assert rec["stage"] == stage and rec["dvc_stage"] == stage
         assert rec["git_commit"] == init

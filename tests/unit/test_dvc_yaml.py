@@ -23,7 +23,7 @@ def test_stage_deps_match_imports(stage: str) -> None:
     body = STAGES[stage].get("do", STAGES[stage])
     deps = {d.replace("${pkg}", "src/eagle3_pipeline") for d in body["deps"]}
     code_deps = {REPO / d for d in deps if d.endswith(".py")}
-    module = {"family": "train"}.get(stage, stage)
+    module = {"family": "train", "family_eval": "evaluate"}.get(stage, stage)
     assert code_deps == dvc_deps.closure(f"eagle3_pipeline.stages.{module}")
     branch = " --family ${key}" if "foreach" in STAGES[stage] else ""
     assert body["cmd"] == f"eagle3 {module} --params params.yaml{branch}"

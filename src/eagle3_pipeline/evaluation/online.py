@@ -282,19 +282,31 @@ def serve_together_and_measure(
 # --- both runs -------------------------------------------------------------------------------
 
 
-def speculative_config(drafter: str | Path, k: int) -> dict[str, Any]:
-    return {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k}
+def speculative_config(drafter: str | Path, k: int, family: str = "eagle3") -> dict[str, Any]:
+    """vLLM's speculative config for a drafter of `family` (drafter.families).
+
+    The method is always named: without one vLLM guesses it from the folder's name and
+    otherwise serves the drafter as a draft model, whose every request then fails. P-EAGLE is
+    EAGLE-3's method with parallel drafting (else vLLM drafts with it chained and skips its
+    mask_hidden weights); DFlash is its own method.
+    """
+    config: dict[str, Any] = {"model": str(drafter), "num_speculative_tokens": k}
+    if family == "dflash":
+        return {"method": "dflash"} | config
+    return (
+        {"method": "eagle3"} | config | ({"parallel_drafting": True} if family == "peagle" else {})
+    )
 
 
 def server_specs(
-    base: ServerSpec, drafter: str | Path, k: int, log_dir: Path
+    base: ServerSpec, drafter: str | Path, k: int, log_dir: Path, family: str = "eagle3"
 ) -> tuple[ServerSpec, ServerSpec]:
     """(baseline, speculative) variants of one server spec; only the drafter differs."""
     baseline = replace(base, speculative_config=None, log_file=log_dir / "vllm-baseline.log")
     spec = replace(
         base,
-        speculative_config=speculative_config(drafter, k),
-        log_file=log_dir / "vllm-eagle3.log",
+        speculative_config=speculative_config(drafter, k, family),
+        log_file=log_dir / f"vllm-{family}.log",
     )
     return baseline, spec
 
@@ -397,6 +409,7 @@ def evaluate(
     runner: Runner | None = None,
     prompt_ids: Sequence[str] | None = None,
     start_together: bool = False,
+    family: str = "eagle3",
 ) -> tuple[dict[str, Any], list[int], lossless.Verdict]:
     """Serve without, then with the drafter; (online section, indices of differing outputs,
     losslessness verdict naming prompts by `prompt_ids`, default their indices).
@@ -409,7 +422,7 @@ def evaluate(
     if not conversations:
         raise ValueError("online evaluation needs at least one prompt")
     k = settings.num_speculative_tokens
-    baseline_spec, eagle_spec = server_specs(base, drafter, k, log_dir)
+    baseline_spec, eagle_spec = server_specs(base, drafter, k, log_dir, family)
     if start_together and runner is None:
         baseline, spec = serve_together_and_measure(
             (baseline_spec, eagle_spec), conversations, settings

@@ -15,6 +15,7 @@ evaluate.max_offline_samples val samples, and is released before the servers sta
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from eagle3_pipeline import atomic, paths, readers
 from eagle3_pipeline.drafter import load as drafter
 from eagle3_pipeline.drafter.conventions import run_conventions
-from eagle3_pipeline.errors import DataError, ServerError, StoreError
+from eagle3_pipeline.errors import DataError, ParamsError, ServerError, StoreError
 from eagle3_pipeline.evaluation import offline
 from eagle3_pipeline.evaluation import online as online_eval
 from eagle3_pipeline.evaluation.losslessness import Verdict
@@ -64,6 +65,44 @@ def run(params: Params) -> None:
     log(STAGE, f"-> {METRICS}")
     if verdict is not None:
         require_lossless(verdict)
+
+
+def run_family(params: Params, name: str) -> None:
+    """`family@NAME`'s evaluation (`eagle3 evaluate --family NAME`): vLLM with and without
+    the branch's best checkpoint, served by its family's method, on the same val prompts and
+    settings as `evaluate`'s online run; metrics/families/NAME/eval.json. No offline
+    simulation: the simulator drafts as EAGLE-3 does."""
+    family = params.families.get(name)
+    if family is None:
+        raise ParamsError(f"params.yaml: field 'families': no entry {name!r}: fix --family")
+    k = params.evaluate.num_speculative_tokens
+    most = {"peagle": family.num_depths or 8, "dflash": (family.block_size or 16) - 1}
+    if k > most.get(family.name, k):
+        raise ParamsError(
+            f"params.yaml: field 'evaluate.num_speculative_tokens': {k} drafts, but "
+            f"families.{name} ({family.name}) was trained to draft {most[family.name]} per "
+            "pass: lower it or raise the family's num_depths / block_size"
+        )
+    drafter_dir = paths.FAMILIES_MODELS / name / "best"
+    section, mismatched, verdict = run_online(params, drafter_dir, family.name)
+    log(
+        STAGE,
+        f"family {name} ({family.name}) in vLLM: mean acceptance length "
+        f"{section['mean_acceptance_length']:.3f}, {section['tokens_per_s']:.1f} vs "
+        f"{section['tokens_per_s_baseline']:.1f} output tokens/s without it "
+        f"(x{section['speedup']:.2f}) on {section['num_prompts']} val prompts",
+    )
+    out = paths.FAMILIES_METRICS / name / "eval.json"
+    result = {
+        "family": family.name,
+        "drafting": family.drafting,
+        "online": section | {"greedy_mismatched_ids": mismatched[:20]},
+        "greedy_outputs_identical": not mismatched,
+        "lossless": verdict.section(),
+    }
+    atomic.write_json(out, result)
+    log(STAGE, f"losslessness: {verdict.outcome} -> {out}")
+    require_lossless(verdict)
 
 
 def simulate_offline(params: Params) -> tuple[dict[str, dict], dict[str, Any]]:
@@ -191,7 +230,9 @@ def require_lossless(verdict: Verdict) -> None:
     )
 
 
-def run_online(params: Params) -> tuple[dict[str, Any], list[str], Verdict]:
+def run_online(
+    params: Params, drafter_dir: Path = DRAFTER_DIR, family: str = "eagle3"
+) -> tuple[dict[str, Any], list[str], Verdict]:
     """Serve the verifier without, then with the drafter; (online section, differing ids,
     losslessness verdict)."""
     e = params.evaluate
@@ -207,15 +248,17 @@ def run_online(params: Params) -> tuple[dict[str, Any], list[str], Verdict]:
         throughput_concurrency=tuple(e.throughput_concurrency),
     )
     # No reasoning parser: the whole completion (reasoning included) is what the runs compare.
-    base = verifier_spec(params, WORK_DIR / "vllm.log")
+    work = WORK_DIR if drafter_dir == DRAFTER_DIR else WORK_DIR / drafter_dir.parent.name
+    base = verifier_spec(params, work / "vllm.log")
     section, differing, verdict = online_eval.evaluate(
         base,
-        DRAFTER_DIR,
+        drafter_dir,
         [r["messages"] for r in rows],
         settings,
-        WORK_DIR,
+        work,
         prompt_ids=[r["id"] for r in rows],
         start_together=e.start_servers_together,
+        family=family,
     )
     return section, [rows[i]["id"] for i in differing], verdict
 

@@ -156,6 +156,11 @@ def _train_online(params: Params, inputs: TrainInputs) -> None:
             _train(params, inputs, flags, source)
 
 
+def run_family(params: Params, name: str) -> None:
+    """`family@NAME` (`eagle3 train --family NAME`): the `families` entry NAME, trained."""
+    run(*family_branch(params, name))
+
+
 def family_branch(params: Params, name: str) -> tuple[Params, Outputs]:
     """The params and outputs of `family@NAME`: train's, with train.family = families[NAME]
     (an EAGLE-3 entry keeps train.init_from; the others train from scratch)."""

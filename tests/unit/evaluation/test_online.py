@@ -188,6 +188,26 @@ def test_server_specs_differ_only_in_the_drafter(tmp_path: Path) -> None:
         assert (s.model, s.revision, s.trust_remote_code) == ("v", "r1", True)
 
 
+def test_each_family_is_served_by_its_own_method(tmp_path: Path) -> None:
+    """P-EAGLE: EAGLE-3's method with parallel drafting (else vLLM drafts it chained and drops
+    mask_hidden); DFlash: its own method. Never left to vLLM's guess from the folder name."""
+    base = ServerSpec(model="v", log_file=tmp_path / "x.log")
+    drafter = Path("models/families/p/best")
+    _, peagle = oe.server_specs(base, drafter, K, tmp_path, family="peagle")
+    assert peagle.speculative_config == {
+        "method": "eagle3",
+        "model": str(drafter),
+        "num_speculative_tokens": K,
+        "parallel_drafting": True,
+    }
+    assert peagle.log_file.name == "vllm-peagle.log"
+    assert oe.speculative_config(drafter, 3, "dflash") == {
+        "method": "dflash",
+        "model": str(drafter),
+        "num_speculative_tokens": 3,
+    }
+
+
 def test_mismatched_prompts_compare_ids_else_texts() -> None:
     a = fake_run([[1, 2], [3, 4], [], [7]], wall=1.0, drafts=0, accepted=0)
     b = fake_run([[1, 2], [3, 5], [], [7]], wall=1.0, drafts=0, accepted=0)

@@ -64,3 +64,18 @@ def test_family_branch_params() -> None:
 def test_branch_names_are_path_segments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="a dot would nest the params key"):
         Params.model_validate({"families": {"eagle3.1": {"name": "eagle3"}}})
+
+
+def test_family_eval_refuses_more_drafts_than_trained() -> None:
+    from eagle3_pipeline.stages.evaluate import run_family
+
+    params = Params.model_validate(
+        {
+            "evaluate": {"num_speculative_tokens": 4},
+            "families": {"d": {"name": "dflash", "block_size": 4}},
+        }
+    )
+    with pytest.raises(ParamsError, match=r"4 drafts, but families\.d \(dflash\) was trained"):
+        run_family(params, "d")
+    with pytest.raises(ParamsError, match="no entry 'x'"):
+        run_family(params, "x")
