@@ -82,6 +82,9 @@ def test_family_branches(pipeline: Path) -> None:
         drafter = metrics["drafter"]
         assert drafter["family"] == kind and drafter["drafting"] == "parallel"
         assert set(drafter["val_accuracy_by_position"]) == {"1", "2", "3"}
+        twin = drafter["untrained_twin"]["val_accuracy_by_position"]
+        trained = drafter["val_accuracy_by_position"]
+        assert trained["1"] > twin["1"] + 0.3, (name, trained, twin)  # it learned
         loss = pipeline / f"metrics/families/{name}/train/plots/metrics/train/loss.tsv"
         rows = loss.read_text().splitlines()[1:]
         first, last = rows[: len(rows) // 4], rows[-(len(rows) // 4) :]

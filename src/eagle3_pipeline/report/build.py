@@ -78,7 +78,8 @@ def _fmt(x: Any, spec: str) -> str:
 
 
 def headline(files: dict[str, sources.RevisionFiles]) -> tuple[list[str], list[list[str]]]:
-    """Mean acceptance length and acceptance rate of every drafter, and online throughput."""
+    """Mean acceptance length and acceptance rate of every drafter, and online throughput; the
+    `families` branches' drafters served the same way, one row each (the comparison table)."""
     head = ["revision", "drafter", "mode", "mean acceptance length", "acceptance rate", "speedup"]
     rows: list[list[str]] = []
     for rev, f in files.items():
@@ -106,6 +107,18 @@ def headline(files: dict[str, sources.RevisionFiles]) -> tuple[list[str], list[l
                     _fmt(online.get("mean_acceptance_length"), ".3f"),
                     _fmt(online.get("acceptance_rate"), ".1%"),
                     _fmt(online.get("speedup"), ".2f"),
+                ]
+            )
+        for name, doc in sorted(f.families.items()):
+            served = doc.get("online") or {}
+            rows.append(
+                [
+                    rev,
+                    f"{name} ({doc.get('family', '?')})",
+                    "online (vLLM)",
+                    _fmt(served.get("mean_acceptance_length"), ".3f"),
+                    _fmt(served.get("acceptance_rate"), ".1%"),
+                    _fmt(served.get("speedup"), ".2f"),
                 ]
             )
     return head, rows

@@ -58,6 +58,8 @@ class RevisionFiles:
     eval: dict[str, Any] | None = None
     provenance: dict[str, dict[str, Any]] = field(default_factory=dict)
     manifest: dict[str, Any] | None = None
+    # {branch name: its metrics/families/NAME/eval.json} (docs/families.md)
+    families: dict[str, dict[str, Any]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
 
@@ -125,6 +127,7 @@ def read_revision(rev: str) -> RevisionFiles:
             return open(p, encoding="utf-8")
 
         names = [p.name for p in sorted(paths.PROVENANCE.glob("*.json"))]
+        branches = sorted(p.parent.name for p in paths.FAMILIES_METRICS.glob("*/eval.json"))
     else:
         from dvc.api import DVCFileSystem
         from dvc.repo import Repo
@@ -146,6 +149,9 @@ def read_revision(rev: str) -> RevisionFiles:
         names = sorted(
             PurePosixPath(p).name for p in (fs.ls(prov, detail=False) if fs.isdir(prov) else [])
         )
+        fam = paths.FAMILIES_METRICS.as_posix()
+        listed = fs.ls(fam, detail=False) if fs.isdir(fam) else []
+        branches = sorted(PurePosixPath(p).name for p in listed if fs.isfile(f"{p}/eval.json"))
     out.eval = _read_json(read, paths.EVAL_METRICS.as_posix(), out.problems)
     for name in names:
         if name.endswith(".json"):
@@ -153,6 +159,12 @@ def read_revision(rev: str) -> RevisionFiles:
             if isinstance(rec, dict):
                 out.provenance[name.removesuffix(".json")] = rec
     out.manifest = _read_json(read, MANIFEST.as_posix(), out.problems)
+    for name in branches:
+        doc = _read_json(
+            read, f"{paths.FAMILIES_METRICS.as_posix()}/{name}/eval.json", out.problems
+        )
+        if isinstance(doc, dict):
+            out.families[name] = doc
     for what, value in (("metrics/eval.json", out.eval), (MANIFEST.as_posix(), out.manifest)):
         if value is None and not any(p.startswith(what) for p in out.problems):
             out.problems.append(f"{what}: not in this revision")

@@ -53,7 +53,12 @@ from eagle3_pipeline.training.launch import launch_torchrun, torchrun_command
 from eagle3_pipeline.training.metrics import MetricsSink, open_live, trim_live
 from eagle3_pipeline.training.online_backend import mooncake_env
 from eagle3_pipeline.training.publish import Outputs, publish
-from eagle3_pipeline.training.run import TrainSettings, build_train_config, run_training
+from eagle3_pipeline.training.run import (
+    TrainSettings,
+    build_train_config,
+    run_training,
+    untrained_val,
+)
 from eagle3_pipeline.verifier import identity as vf
 
 STAGE = "train"
@@ -128,7 +133,10 @@ def run(params: Params, outputs: Outputs | None = None) -> None:
             _launch(params, inputs)
         else:
             _train(params, inputs)
-    publish(outputs, inputs.live_dir, inputs.save_dir, t.epochs, t.family)
+    twin = None  # a branch is measured against its untrained twin (evaluate does train's)
+    if outputs.stage != STAGE and t.hidden_states == "store":
+        twin = untrained_val(_settings(params, inputs, None), inputs.work / "twin")
+    publish(outputs, inputs.live_dir, inputs.save_dir, t.epochs, t.family, twin)
 
 
 def _train_online(params: Params, inputs: TrainInputs) -> None:
@@ -253,8 +261,7 @@ def _inputs(params: Params, family_key: str = "train.family") -> TrainInputs:
         # Another world size is another run (a single node keeps its key).
         *([{"train_nodes": _nodes(params)}] if _nodes(params) > 1 else []),
     )
-    # Each family (and its knobs) has its own scratch, so branches do not empty each other's.
-    own = resume.fingerprint(t.family.model_dump())[:8]
+    own = resume.fingerprint(t.family.model_dump())[:8]  # branches keep each other's scratch
     scratch = STAGE if t.family == FamilyParams() else f"{STAGE}-{t.family.name}-{own}"
     work = resume.scratch_dir(scratch, key)
     return TrainInputs(conventions, samples, n_train, work, row_ids, mask)

@@ -11,7 +11,7 @@ from eagle3_pipeline import atomic, paths
 from eagle3_pipeline.drafter.families import FamilyParams
 from eagle3_pipeline.progress import log
 from eagle3_pipeline.training.checkpoints import best_checkpoint
-from eagle3_pipeline.training.metrics import read_summary
+from eagle3_pipeline.training.metrics import read_summary, simulated_tau
 
 CHECKPOINT_FILES = ("config.json", "model.safetensors")
 
@@ -38,13 +38,19 @@ class Outputs:
 
 
 def publish(
-    out: Outputs, run_live: Path, save_dir: Path, epochs: int, family: FamilyParams
+    out: Outputs,
+    run_live: Path,
+    save_dir: Path,
+    epochs: int,
+    family: FamilyParams,
+    twin: dict[str, float] | None = None,
 ) -> None:
     """Copy the run's best and final checkpoints and its DVCLive series into `out`.
 
     Besides the val metrics as speculators names them, the metrics file holds `drafter`: the
     family and its per-position val accuracy numbered alike for every family (1 = the first
-    drafted token), so `dvc metrics show` compares the families in one table.
+    drafted token), so `dvc metrics show` compares the families in one table; with `twin`
+    (the untrained twin's val metrics, run.untrained_val) the same measures of the twin.
     """
     summary = read_summary(run_live)
     shutil.rmtree(out.live, ignore_errors=True)
@@ -58,6 +64,8 @@ def publish(
     record = {"best_epoch": int(best.name), "val_at_last_epoch": val}
     if out.stage != "train" or family != FamilyParams():
         record["drafter"] = comparable(family, val)
+    if twin is not None:
+        record["drafter"]["untrained_twin"] = twin_measures(family, twin, out.stage)
     atomic.write_json(out.metrics, record)
     log(out.stage, f"best epoch {best.name} -> {out.trained}/best, final -> {out.trained}/final")
 
@@ -79,6 +87,17 @@ def comparable(family: FamilyParams, val: dict[str, float]) -> dict[str, object]
     if "acceptance_length" in val:
         found["val_acceptance_length"] = val["acceptance_length"]
     return found
+
+
+def twin_measures(family: FamilyParams, twin: dict[str, float], stage: str) -> dict[str, object]:
+    """The untrained twin's val measures as `comparable` names them (its acceptance length
+    derived as a trained run's is), and one log line of them."""
+    positions = sum(1 for k in twin if _position(k) is not None)
+    tau = simulated_tau(twin, positions)
+    found = comparable(family, twin | ({"acceptance_length": tau} if tau is not None else {}))
+    accs = " ".join(f"{k}: {v:.3f}" for k, v in found["val_accuracy_by_position"].items())
+    log(stage, f"untrained twin: val accuracy by draft position {accs}")
+    return {k: v for k, v in found.items() if k.startswith("val_")}
 
 
 def _position(key: str) -> int | None:

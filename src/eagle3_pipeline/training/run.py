@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -211,6 +212,38 @@ def run_training(
             f"training stopped by a signal before epoch {s.epochs} finished (speculators saves "
             f"to {s.save_dir / 'interrupted'}); rerun to resume from the last complete epoch"
         )
+
+
+def untrained_val(s: TrainSettings, scratch: Path) -> dict[str, float]:
+    """The val metrics of the untrained twin: the drafter speculators builds at step 0 from
+    these settings (no init checkpoint), measured by speculators' own validation loop on the
+    run's val rows, keyed as in a trained run's val record (without "_epoch").
+
+    A trained drafter that does not beat its twin has learned nothing. `scratch` (emptied)
+    takes speculators' run files; nothing is trained or saved.
+    """
+    import shutil
+
+    from speculators.train.cli import main
+    from speculators.train.trainer import Trainer
+
+    apply_cpu_shims()
+    shutil.rmtree(scratch, ignore_errors=True)
+    twin = dataclasses.replace(s, save_dir=scratch, init_from=None, online_flags=None)
+    _write_draft_config(twin)
+    found: dict[str, float] = {}
+
+    def validate_only(trainer: Any) -> None:
+        found.update(trainer.val_epoch(0) or {})
+
+    original = Trainer.run_training
+    Trainer.run_training = validate_only  # type: ignore[method-assign]
+    try:
+        main(build_train_config(twin))
+    finally:
+        Trainer.run_training = original  # type: ignore[method-assign]
+    shutil.rmtree(scratch, ignore_errors=True)
+    return {k.removesuffix("_epoch"): float(v) for k, v in found.items()}
 
 
 def initial_drafter(s: TrainSettings, on_init_line: Callable[[str], None] = print) -> Any:

@@ -100,3 +100,20 @@ def test_unknown_revision_is_one_line_error(repo: Path, capsys: pytest.CaptureFi
     assert build.main(["--revs", "no-such-rev"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: revision 'no-such-rev'") and "\n" not in err
+
+
+def test_family_branches_join_the_headline_table(repo: Path) -> None:
+    """Each `families` branch served by vLLM is one row beside the EAGLE-3 drafter's, from the
+    workspace and from a committed revision alike."""
+    branch = repo / "metrics/families/pe"
+    branch.mkdir(parents=True)
+    online = {"mean_acceptance_length": 2.5, "acceptance_rate": 0.5, "speedup": 1.25}
+    (branch / "eval.json").write_text(json.dumps({"family": "peagle", "online": online}))
+    commit(repo, "a branch")
+    for revs in ([], ["HEAD"]):
+        html = build.build(revs).read_text()
+        row = re.search(
+            r"<td>pe \(peagle\)</td><td>online \(vLLM\)</td>((?:<td>[^<]*</td>){3})", html
+        )
+        assert row is not None, revs
+        assert re.findall(r"<td>([^<]*)</td>", row.group(1)) == ["2.500", "50.0%", "1.25"]

@@ -88,3 +88,21 @@ def test_noise_reaches_peagle_forward(inputs: dict[str, Any], tmp_path: Path) ->
     clean, noisy = weights("clean", 0.0), weights("noisy", 0.5)
     assert not torch.equal(clean["fc.weight"], noisy["fc.weight"])
     assert PEagleDraftModel.forward is original
+
+
+@pytest.mark.slow
+def test_untrained_twin_is_measured_by_speculators_own_validation(
+    inputs: dict[str, Any], tmp_path: Path
+) -> None:
+    """The twin's val record has the trained run's keys; nothing of it is left behind, and the
+    training hooks (noise, resume) are not involved: two measures are equal."""
+    from eagle3_pipeline.training.data import write_training_data
+    from eagle3_pipeline.training.run import untrained_val
+
+    family = FamilyParams(name="dflash", block_size=4, num_layers=1, mask_token_id=MASK)
+    settings = tiny_settings(inputs, tmp_path, family=family, mask_token_id=MASK)
+    write_training_data(settings.data_dir, inputs["samples"])
+    first = untrained_val(settings, tmp_path / "twin")
+    assert {"loss", "eal", "position_1_acc", "position_3_acc"} <= set(first)
+    assert not (tmp_path / "twin").exists() and not (tmp_path / "ckpt").exists()
+    assert untrained_val(settings, tmp_path / "twin") == first

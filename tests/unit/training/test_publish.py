@@ -11,7 +11,7 @@ from eagle3_pipeline.drafter.families import FamilyParams
 from eagle3_pipeline.errors import ParamsError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.stages.train import family_branch
-from eagle3_pipeline.training.publish import Outputs, comparable
+from eagle3_pipeline.training.publish import Outputs, comparable, twin_measures
 
 
 def test_positions_are_numbered_alike_for_every_family() -> None:
@@ -32,6 +32,20 @@ def test_positions_are_numbered_alike_for_every_family() -> None:
     got = comparable(FamilyParams(name="dflash"), dflash)
     assert got["val_accuracy_by_position"] == {"1": 0.5, "2": 0.2}  # slot 1 = first drafted
     assert got["val_acceptance_length"] == 1.6
+
+
+def test_twin_measures_name_what_a_trained_run_names() -> None:
+    twin = {"loss": 0.1, "cond_acc_0": 0.5, "cond_acc_1": 0.5, "full_acc_0": 0.5, "full_acc_1": 0.2}
+    got = twin_measures(FamilyParams(), twin, "family@e")
+    assert got == {
+        "val_accuracy_by_position": {"1": 0.5, "2": 0.2},
+        "val_acceptance_length": 1.75,  # chained, as MetricsSink derives a trained run's
+    }
+    dflash = {"loss": 2.0, "position_1_acc": 0.01, "eal": 1.01}
+    assert twin_measures(FamilyParams(name="dflash"), dflash, "family@d") == {
+        "val_accuracy_by_position": {"1": 0.01},
+        "val_acceptance_length": 1.01,
+    }
 
 
 def test_outputs_of_a_branch() -> None:
