@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             _fan_out(args.stage, params, args.params)
         family = getattr(args, "family", None)
         name = f"{FAMILY_STAGES[args.stage]}@{family}" if family else args.stage  # its records
-        # A families branch shares train's scratch (a run is keyed by what it computes): one lock.
+        # A families branch holds its command's lock: it runs beside no other train (evaluate).
         with stage_lock.hold(args.stage, shard):  # one writer per output, released on any exit
             swept = [p for s in dict.fromkeys([args.stage, name]) for p in stage_lock.sweep(s)]
             if swept:

@@ -39,7 +39,7 @@ _NOT_INSTALLED = {
 
 
 class FamilyParams(BaseModel):
-    """`train.family`: which drafter train builds, and the knobs of that family only.
+    """`train.family` or a `families` entry: a drafter family and the knobs of that family only.
 
     null knobs keep speculators' defaults (P-EAGLE: 8 depths, COD ratios 0.7 / 0.2; DFlash:
     block 16, 5 layers; both: 512 anchors per sequence). mask_token_id null: the tokenizer's
@@ -71,7 +71,7 @@ class FamilyParams(BaseModel):
                 owners = [f for f, knobs in KNOBS.items() if knob in knobs]
                 raise ValueError(
                     f"{knob} is a knob of {' and '.join(owners)}, not of family {self.name}: "
-                    f"remove train.family.{knob}"
+                    f"remove {knob}"
                 )
         return self
 

@@ -84,7 +84,8 @@ def run_family(params: Params, name: str) -> None:
             "pass: lower it or raise the family's num_depths / block_size"
         )
     drafter_dir = paths.FAMILIES_MODELS / name / "best"
-    section, mismatched, verdict = run_online(params, drafter_dir, family.name)
+    work = WORK_DIR / "families" / name
+    section, mismatched, verdict = run_online(params, drafter_dir, family.name, work)
     log(
         STAGE,
         f"family {name} ({family.name}) in vLLM: mean acceptance length "
@@ -231,10 +232,10 @@ def require_lossless(verdict: Verdict) -> None:
 
 
 def run_online(
-    params: Params, drafter_dir: Path = DRAFTER_DIR, family: str = "eagle3"
+    params: Params, drafter_dir: Path = DRAFTER_DIR, family: str = "eagle3", work: Path = WORK_DIR
 ) -> tuple[dict[str, Any], list[str], Verdict]:
-    """Serve the verifier without, then with the drafter; (online section, differing ids,
-    losslessness verdict)."""
+    """Serve the verifier without, then with the drafter (of `family`, served from
+    `drafter_dir`, logs in `work`); (online section, differing ids, losslessness verdict)."""
     e = params.evaluate
     rows = val_conversations(e.max_eval_prompts)
     settings = online_eval.Settings(
@@ -248,7 +249,6 @@ def run_online(
         throughput_concurrency=tuple(e.throughput_concurrency),
     )
     # No reasoning parser: the whole completion (reasoning included) is what the runs compare.
-    work = WORK_DIR if drafter_dir == DRAFTER_DIR else WORK_DIR / drafter_dir.parent.name
     base = verifier_spec(params, work / "vllm.log")
     section, differing, verdict = online_eval.evaluate(
         base,

@@ -31,7 +31,7 @@ def _load(tmp_path: Path, train: dict[str, Any]) -> Any:
             {"name": "peagle", "block_size": 4},
             "block_size is a knob of dflash, not of family peagle",
         ),
-        ({"name": "dflash", "num_depths": 4}, "remove train.family.num_depths"),
+        ({"name": "dflash", "num_depths": 4}, "'train.family': num_depths is a knob of peagle"),
         ({"name": "dflash", "block_size": 1}, "'train.family.block_size'"),
     ],
 )
