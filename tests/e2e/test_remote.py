@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pipeline_repo import commit, tiny_pipeline
+from pipeline_repo import FAMILIES, commit, tiny_pipeline
 
 pytestmark = pytest.mark.slow
 BUCKET = "eagle3-test"
@@ -188,7 +188,9 @@ def test_local_remote_round_trip_nothing_reruns(
 ) -> None:
     clone = _clone_on_local_remote(teammate, local_remote, tmp_path / "clone")
     _dvc(clone, "pull")
-    assert _present(clone) == _present(teammate) and len(_present(clone)) == 9
+    # 9 outputs of the main DAG, and each families branch's drafter and training curves
+    assert _present(clone) == _present(teammate) and len(_present(clone)) == 9 + 2 * len(FAMILIES)
+    assert {f"models/families/{name}" for name in FAMILIES} <= _present(clone)
     _assert_nothing_reruns(clone)
     assert (clone / "dvc.lock").read_bytes() == (teammate / "dvc.lock").read_bytes()
 

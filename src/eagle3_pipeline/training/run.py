@@ -44,6 +44,7 @@ from eagle3_pipeline.training.speculators_patches import (
     lm_head_trainable,
     no_progress_bars,
     online_api_key,
+    own_thread_env,
     sampler_rank_guard,
 )
 
@@ -195,6 +196,7 @@ def run_training(
         sampler_rank_guard(),
         no_progress_bars() if os.environ.get("TQDM_DISABLE") else nothing,
         online_api_key(os.environ.get(API_KEY_VAR)),  # online mode's server key, if any
+        own_thread_env(),
         # Last: inside the lm_head un-freezing, after exact_resume tidied the scratch dir.
         init_from_checkpoint(
             s.init_from,
@@ -239,7 +241,8 @@ def untrained_val(s: TrainSettings, scratch: Path) -> dict[str, float]:
     original = Trainer.run_training
     Trainer.run_training = validate_only  # type: ignore[method-assign]
     try:
-        main(build_train_config(twin))
+        with own_thread_env():
+            main(build_train_config(twin))
     finally:
         Trainer.run_training = original  # type: ignore[method-assign]
     shutil.rmtree(scratch, ignore_errors=True)

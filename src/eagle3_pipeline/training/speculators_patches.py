@@ -93,6 +93,26 @@ def no_progress_bars() -> Iterator[None]:
         trainer_mod.tqdm = original
 
 
+# speculators' loader builder sets these in the calling process (for its dataloader workers).
+THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@contextlib.contextmanager
+def own_thread_env() -> Iterator[None]:
+    """Keep speculators' thread limits inside the run: `create_train_val_loaders` sets
+    OMP/MKL/OPENBLAS_NUM_THREADS=1 in the process that calls it, which an in-process caller
+    would pass on to every process it starts after (one thread: other float sums)."""
+    before = {k: os.environ.get(k) for k in THREAD_VARS}
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 @contextlib.contextmanager
 def online_api_key(key: str | None) -> Iterator[None]:
     """speculators 0.9's online dataset builds its client with `api_key="EMPTY"`

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +102,17 @@ def test_online_api_key_is_what_speculators_online_client_sends() -> None:
     assert data.openai is openai  # restored
     with online_api_key(None):
         assert data.openai is openai  # no key: nothing patched
+
+
+@pytest.mark.slow
+def test_thread_limits_stay_inside_the_run(
+    inputs: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """speculators sets OMP/MKL/OPENBLAS_NUM_THREADS=1 in the process that builds its loaders;
+    after an in-process run every process started later must still get this one's threads."""
+    for key in sp.THREAD_VARS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MKL_NUM_THREADS", "2")
+    train_tiny(inputs, tmp_path)
+    assert "OMP_NUM_THREADS" not in os.environ and "OPENBLAS_NUM_THREADS" not in os.environ
+    assert os.environ["MKL_NUM_THREADS"] == "2"
