@@ -50,6 +50,11 @@ def repo_env(repo: Path | None = None, site: Path | None = None) -> dict[str, st
     (its files may change while a run takes minutes, and dvc.lock hashes the repo's own copy).
     `site`: a folder put first on PYTHONPATH (a sitecustomize.py that every process runs)."""
     env = dict(os.environ)
+    # The machine's own thread counts: in-process speculators runs (unit tests) set these to 1
+    # for the duration of a run, and a run started meanwhile would train on one thread (other
+    # float sums, so other bytes than a run started at any other moment).
+    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env.pop(key, None)
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     env.update(DVC_NO_ANALYTICS="1", HF_HUB_OFFLINE="1")
     if repo is not None and (repo / "src/eagle3_pipeline").is_dir():
