@@ -91,6 +91,28 @@ class FamilyParams(BaseModel):
     def drafting(self) -> Literal["chained", "parallel"]:
         return DRAFTING[self.name]
 
+    @property
+    def drafts_per_pass(self) -> int | None:
+        """Tokens a parallel family was trained to draft in one pass (speculators' defaults
+        when unset: 8 depths, block 16); None: chained, as many as asked."""
+        if self.name == "peagle":
+            return self.num_depths or 8
+        if self.name == "dflash":
+            return (self.block_size or 16) - 1
+        return None
+
+
+def entry(families: dict[str, FamilyParams], name: str) -> FamilyParams:
+    """The `families` entry NAME (`--family NAME`), or one line naming the entries there are."""
+    if name not in families:
+        from eagle3_pipeline.errors import ParamsError
+
+        raise ParamsError(
+            f"params.yaml: field 'families': no entry {name!r} (entries: "
+            f"{', '.join(families) or 'none'}): add it or fix --family"
+        )
+    return families[name]
+
 
 _BRANCH = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from eagle3_pipeline import atomic, paths, readers
+from eagle3_pipeline.drafter import families
 from eagle3_pipeline.drafter import load as drafter
 from eagle3_pipeline.drafter.conventions import run_conventions
 from eagle3_pipeline.errors import DataError, ParamsError, ServerError, StoreError
@@ -72,15 +73,12 @@ def run_family(params: Params, name: str) -> None:
     the branch's best checkpoint, served by its family's method, on the same val prompts and
     settings as `evaluate`'s online run; metrics/families/NAME/eval.json. No offline
     simulation: the simulator drafts as EAGLE-3 does."""
-    family = params.families.get(name)
-    if family is None:
-        raise ParamsError(f"params.yaml: field 'families': no entry {name!r}: fix --family")
-    k = params.evaluate.num_speculative_tokens
-    most = {"peagle": family.num_depths or 8, "dflash": (family.block_size or 16) - 1}
-    if k > most.get(family.name, k):
+    family = families.entry(params.families, name)
+    k, most = params.evaluate.num_speculative_tokens, family.drafts_per_pass
+    if most is not None and k > most:
         raise ParamsError(
             f"params.yaml: field 'evaluate.num_speculative_tokens': {k} drafts, but "
-            f"families.{name} ({family.name}) was trained to draft {most[family.name]} per "
+            f"families.{name} ({family.name}) was trained to draft {most} per "
             "pass: lower it or raise the family's num_depths / block_size"
         )
     drafter_dir = paths.FAMILIES_MODELS / name / "best"

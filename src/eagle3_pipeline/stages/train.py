@@ -32,7 +32,7 @@ from pathlib import Path
 
 from eagle3_pipeline import atomic, disk, paths, readers, resume
 from eagle3_pipeline.cluster import online as cluster_online
-from eagle3_pipeline.drafter import mask_token
+from eagle3_pipeline.drafter import families, mask_token
 from eagle3_pipeline.drafter.conventions import RunConventions, run_conventions
 from eagle3_pipeline.drafter.families import FamilyParams
 from eagle3_pipeline.errors import ParamsError, StoreError
@@ -172,12 +172,7 @@ def run_family(params: Params, name: str) -> None:
 def family_branch(params: Params, name: str) -> tuple[Params, Outputs]:
     """The params and outputs of `family@NAME`: train's, with train.family = families[NAME]
     (an EAGLE-3 entry keeps train.init_from; the others train from scratch)."""
-    entry = params.families.get(name)
-    if entry is None:
-        raise ParamsError(
-            f"params.yaml: field 'families': no entry {name!r} (entries: "
-            f"{', '.join(params.families) or 'none'}): add it or fix --family"
-        )
+    entry = families.entry(params.families, name)
     init_from = params.train.init_from if entry.name == "eagle3" else None
     t = params.train.model_copy(update={"family": entry, "init_from": init_from})
     return params.model_copy(update={"train": t}), Outputs.of_family(name)

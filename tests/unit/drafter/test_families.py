@@ -51,6 +51,10 @@ def test_knobs_and_drafting() -> None:
     assert p.knobs() == {"num_depths": 4, "mask_token_id": 7}
     assert (p.drafting, FamilyParams().drafting) == ("parallel", "chained")
     assert not FamilyParams().uses_mask_token and FamilyParams(name="dflash").uses_mask_token
+    assert (FamilyParams(name="dflash").drafts_per_pass, p.drafts_per_pass) == (15, 4)
+    assert (
+        FamilyParams(name="peagle").drafts_per_pass == 8 and FamilyParams().drafts_per_pass is None
+    )
 
 
 def test_trainer_flags() -> None:
