@@ -22,7 +22,7 @@ from pydantic import (
 from eagle3_pipeline import paths
 from eagle3_pipeline.drafter.families import Families, FamilyParams
 from eagle3_pipeline.errors import ParamsError
-from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
+from eagle3_pipeline.verifier.layer_ids import family_field, store_aux_layer_ids
 
 DEFAULT_PARAMS = Path("params.yaml")
 
@@ -75,6 +75,9 @@ class LayersParams(_Strict):
 
     aux_layer_ids: list[int] | None = None
     final_layer_id: int | None = None
+    # A `families` entry's own aux ids (null: aux_layer_ids): extract captures the union of
+    # every id here and aux_layer_ids, and each drafter reads its own from the one store.
+    family_aux_layer_ids: dict[str, list[int]] = Field(default_factory=dict)
 
 
 class PrepareParams(_Strict):
@@ -385,12 +388,23 @@ class Params(_Strict):
     families: Families = Field(default_factory=dict)  # docs/families.md
 
     @model_validator(mode="after")
+    def _family_layers(self) -> Params:
+        """Own aux ids belong to a `families` entry: an id list no branch reads is a typo."""
+        for name in self.layers.family_aux_layer_ids:
+            if name not in self.families:
+                raise ValueError(
+                    f"{family_field(name)}: no `families` entry {name!r} (entries: "
+                    f"{', '.join(self.families) or 'none'}): add the entry or remove the ids"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _tiny_layer_ids(self, info: ValidationInfo) -> Params:
         """Check layer ids and vocab sizes against the tiny verifier's shape, known from params."""
         if self.verifier.source == "tiny":
             tiny = self.verifier.tiny
             where = (info.context or {}).get("path", "params.yaml")
-            resolve_layer_ids(self.layers, tiny.num_hidden_layers, where=where)
+            store_aux_layer_ids(self.layers, tiny.num_hidden_layers, where=where)
             if self.vocab.draft_vocab_size > tiny.vocab_size:
                 raise ValueError(
                     f"vocab.draft_vocab_size={self.vocab.draft_vocab_size} is larger than the "

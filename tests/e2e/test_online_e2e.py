@@ -29,6 +29,7 @@ def online(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["train"]["hidden_states"] = "online"
     params["families"] = {}  # the store run's branches: not what this mode is about
+    params["layers"]["family_aux_layer_ids"] = {}  # nor their layers
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     commit(repo, "online mode")
     out = run_in(repo, "dvc", "repro")

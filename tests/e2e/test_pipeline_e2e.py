@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pipeline_repo import REPO, commit, repo_env, run_in, tiny_pipeline
+from pipeline_repo import DFLASH_LAYERS, REPO, commit, repo_env, run_in, tiny_pipeline
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,8 @@ def test_store_shapes_and_layer_ids(pipeline: Path) -> None:
     from safetensors.torch import load_file
 
     manifest = json.loads((pipeline / "data/hidden_states/manifest.json").read_text())
-    assert manifest["layer_ids"] == [2, 4, 5, 8] and manifest["final_layer_id"] == 8
+    # The union of train's [2, 4, 5] and DFlash's own [1, 3, 5, 7], then the final layer.
+    assert manifest["layer_ids"] == [1, 2, 3, 4, 5, 7, 8] and manifest["final_layer_id"] == 8
     rows = {}
     for split in ("train", "val"):
         for line in (pipeline / f"data/tokenized/{split}.jsonl").read_text().splitlines():
@@ -32,7 +33,7 @@ def test_store_shapes_and_layer_ids(pipeline: Path) -> None:
     assert set(manifest["samples"]) == set(rows)
     for sid, entry in list(manifest["samples"].items())[:10]:
         t = load_file(str(pipeline / "data/hidden_states" / entry["file"]))
-        assert t["hidden_states"].shape == (len(rows[sid]["input_ids"]), 4, 64)
+        assert t["hidden_states"].shape == (len(rows[sid]["input_ids"]), 7, 64)
         assert t["token_ids"].tolist() == rows[sid]["input_ids"]
         assert entry["num_tokens"] == len(rows[sid]["input_ids"])
 
@@ -78,6 +79,9 @@ def test_family_branches(pipeline: Path) -> None:
     for name, kind in (("peagle", "peagle"), ("dflash", "dflash")):
         cfg = json.loads((pipeline / f"models/families/{name}/best/config.json").read_text())
         assert cfg["speculators_model_type"] == kind and cfg["mask_token_id"] == 1
+        # Each family's own layers of the one store: what vLLM captures when serving it.
+        own = cfg.get("aux_hidden_state_layer_ids") or cfg.get("eagle_aux_hidden_state_layer_ids")
+        assert own == (DFLASH_LAYERS if name == "dflash" else [2, 4, 5]), (name, own)
         metrics = files[f"metrics/families/{name}/train.json"]["data"]
         drafter = metrics["drafter"]
         assert drafter["family"] == kind and drafter["drafting"] == "parallel"
@@ -96,6 +100,14 @@ def test_family_branches(pipeline: Path) -> None:
         assert served["online"]["num_prompts"] == 6
         assert served["online"]["mean_acceptance_length"] > 1.5, (name, served["online"])
     assert drafter["val_acceptance_length"] >= 1.0  # DFlash reports its own
+    # DFlash is also simulated offline as it drafts (one block per pass), and vLLM's figure on
+    # the same prompts and positions is checked against that simulation, as evaluate's is.
+    dflash = files["metrics/families/dflash/eval.json"]["data"]
+    same = dflash["offline_same_prompts"]
+    assert dflash["offline"]["trained"]["num_drafts"] > 100 and same["num_prompts"] == 6
+    assert dflash["mismatch_rule"]["compared_with"] == "offline_same_prompts"
+    assert dflash["mismatch"] is False, (same, dflash["online"])
+    assert "offline" not in files["metrics/families/peagle/eval.json"]["data"]
     assert "drafter" not in files["metrics/train.json"]["data"]  # train's file as before
     params = pipeline / "params.yaml"
     original = params.read_text()

@@ -246,7 +246,13 @@ FAMILIES = {
     "peagle": {"name": "peagle", "num_depths": 3, "mask_token_id": 1},
     "dflash": {"name": "dflash", "block_size": 4, "num_layers": 1, "mask_token_id": 1},
 }
-TINY_RUN = Run("e2e", SMALL | {"families": FAMILIES})
+# DFlash reads its own layers (an early-to-late spread, as DFlash recipes do): the store holds
+# the union with train's [2, 4, 5], and EAGLE-3 reads its three through the view.
+DFLASH_LAYERS = [1, 3, 5, 7]
+TINY_RUN = Run(
+    "e2e",
+    SMALL | {"families": FAMILIES, "layers": {"family_aux_layer_ids": {"dflash": DFLASH_LAYERS}}},
+)
 
 
 def tiny_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -34,7 +34,7 @@ def compute_placement() -> tuple[torch.device, torch.dtype]:
     return torch.device("cpu"), torch.float32
 
 
-def _attn_impl() -> str:
+def attn_impl() -> str:
     return "simple_flex_attention" if torch.cuda.is_available() else "sdpa"
 
 
@@ -63,7 +63,7 @@ def _config(path: Path, verifier_path: str | Path):  # -> Eagle3SpeculatorConfig
         config = Eagle3DraftModel.config_class.from_dict(
             flat_format.to_speculators_config(raw, verifier)
         )
-    config.transformer_layer_config._attn_implementation = _attn_impl()  # noqa: SLF001
+    config.transformer_layer_config._attn_implementation = attn_impl()  # noqa: SLF001
     if not (Path(verifier_path) / "config.json").is_file():
         raise CheckpointError(
             f"{verifier_path}/config.json: not found: the drafter in {path} needs its verifier's "

@@ -231,9 +231,12 @@ def simulate(
     served: str = "trained",
     max_positions: int | None = None,
     on_sample: Callable[[], None] | None = None,
+    matches: Callable[..., torch.Tensor] = draft_matches,
 ) -> Simulation:
     """Every model at every supervised start of the `whole_ids` samples, and the `served` model
     on vLLM's walk through the first `max_positions` answer tokens of the `same_ids` samples.
+    `matches` drafts as the family does (EAGLE-3's chain here; DFlash's block:
+    parallel_offline.dflash_matches).
 
     Each sample is read once and its verifier greedy tokens computed once, whatever the number
     of models; a sample in both sets is simulated once per model.
@@ -250,7 +253,7 @@ def simulate(
             walk = name == served and sid in in_same
             if sid not in in_whole and not walk:
                 continue
-            ok = draft_matches(model, hs, ids, greedy, num_steps)
+            ok = matches(model, hs, ids, greedy, num_steps)
             if sid in in_whole:
                 counts[name].add(accepted_prefix(ok, mask))
             if walk and same_counts is not None:

@@ -22,7 +22,7 @@ from eagle3_pipeline.drafter.shape import (
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.plan import checks, estimates, inputs, memory, modes, nodes
 from eagle3_pipeline.verifier import identity as vf
-from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
+from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids, store_aux_layer_ids
 
 
 @dataclass
@@ -35,6 +35,8 @@ class Plan:
     tokenizer: str
     aux_layer_ids: list[int]
     final_layer_id: int
+    # What extract captures: aux_layer_ids, plus the families' own ids (their union) if any.
+    store_aux_layer_ids: list[int]
     draft_vocab_size: int
     drafter: DrafterShape
     conventions: conv.RunConventions
@@ -107,6 +109,7 @@ def make_plan(
     vf.check_remote_code(params, config, v.source)
     tokenizer = checks.check_tokenizer(params, config_file)
     aux, _ = resolve_layer_ids(params.layers, v.num_layers, where=where)
+    store_aux = store_aux_layer_ids(params.layers, v.num_layers, where=where)
     checks.check_vocab(params, v.vocab_size, where)
     init = inputs.load_init_config(params, init_config)
     if init is not None:
@@ -131,7 +134,7 @@ def make_plan(
         else None
     )
     asked = modes.requested_scales(params, samples or [], estimate.tokens_per_sample)
-    bytes_per_token = estimates.store_bytes_per_token(len(aux) + 1, v.hidden_size)
+    bytes_per_token = estimates.store_bytes_per_token(len(store_aux) + 1, v.hidden_size)
     mode_cost = getattr(own, params.train.hidden_states) if own is not None else None
     cluster = nodes.cluster_plan(
         params,
@@ -150,6 +153,7 @@ def make_plan(
         verifier=v,
         tokenizer=tokenizer,
         aux_layer_ids=aux,
+        store_aux_layer_ids=store_aux,
         final_layer_id=final,
         draft_vocab_size=params.vocab.draft_vocab_size,
         drafter=drafter,

@@ -82,11 +82,20 @@ def _drafter_lines(p: Plan) -> list[str]:
 
 def _cost_lines(p: Plan) -> list[str]:
     bpt = p.store_bytes_per_token
-    n = len(p.aux_layer_ids) + 1
+    n = len(p.store_aux_layer_ids) + 1
     lines = [
         _row("store", f"{n} layers x {p.verifier.hidden_size:,}: {bpt['bf16']:,} B/token bf16,"),
         _row("", f"{bpt['fp8']:,} B/token fp8 (1 B/value + fp32 scale per token and layer)"),
     ]
+    if p.store_aux_layer_ids != p.aux_layer_ids:
+        lines.insert(
+            1,
+            _row(
+                "",
+                f"aux {p.store_aux_layer_ids} + final: the union of train's {p.aux_layer_ids} "
+                "and layers.family_aux_layer_ids",
+            ),
+        )
     lines += [_row("tokens" if i == 0 else "", h) for i, h in enumerate(p.tokens.how)]
     if p.tokens.total is not None:
         lines.append(_row("", f"= {p.tokens.total:,} tokens"))

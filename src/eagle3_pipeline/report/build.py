@@ -110,11 +110,24 @@ def headline(files: dict[str, sources.RevisionFiles]) -> tuple[list[str], list[l
                 ]
             )
         for name, doc in sorted(f.families.items()):
+            label = f"{name} ({doc.get('family', '?')})"
+            simulated = (doc.get("offline") or {}).get("trained")  # DFlash: as it drafts
+            if isinstance(simulated, dict):
+                rows.append(
+                    [
+                        rev,
+                        label,
+                        "offline",
+                        _fmt(simulated.get("mean_acceptance_length"), ".3f"),
+                        _fmt(simulated.get("acceptance_rate"), ".1%"),
+                        "",
+                    ]
+                )
             served = doc.get("online") or {}
             rows.append(
                 [
                     rev,
-                    f"{name} ({doc.get('family', '?')})",
+                    label,
                     "online (vLLM)",
                     _fmt(served.get("mean_acceptance_length"), ".3f"),
                     _fmt(served.get("acceptance_rate"), ".1%"),

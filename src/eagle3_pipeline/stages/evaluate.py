@@ -25,7 +25,7 @@ from eagle3_pipeline.drafter import families
 from eagle3_pipeline.drafter import load as drafter
 from eagle3_pipeline.drafter.conventions import run_conventions
 from eagle3_pipeline.errors import DataError, ParamsError, ServerError, StoreError
-from eagle3_pipeline.evaluation import offline
+from eagle3_pipeline.evaluation import offline, parallel_offline
 from eagle3_pipeline.evaluation import online as online_eval
 from eagle3_pipeline.evaluation.losslessness import Verdict
 from eagle3_pipeline.params import Params
@@ -33,6 +33,7 @@ from eagle3_pipeline.progress import Progress, log
 from eagle3_pipeline.serving.server_spec import verifier_spec
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.verifier import identity as vf
+from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
 
 STAGE = "evaluate"
 DRAFTER_DIR = paths.DRAFTER
@@ -71,8 +72,9 @@ def run(params: Params) -> None:
 def run_family(params: Params, name: str) -> None:
     """`family@NAME`'s evaluation (`eagle3 evaluate --family NAME`): vLLM with and without
     the branch's best checkpoint, served by its family's method, on the same val prompts and
-    settings as `evaluate`'s online run; metrics/families/NAME/eval.json. No offline
-    simulation: the simulator drafts as EAGLE-3 does."""
+    settings as `evaluate`'s online run; metrics/families/NAME/eval.json. A DFlash branch is
+    also simulated offline as it drafts, and vLLM's figure checked against that simulation
+    like evaluate's (P-EAGLE: online only)."""
     family = families.entry(params.families, name)
     k, most = params.evaluate.num_speculative_tokens, family.drafts_per_pass
     if most is not None and k > most:
@@ -83,22 +85,34 @@ def run_family(params: Params, name: str) -> None:
         )
     drafter_dir = paths.FAMILIES_MODELS / name / "best"
     work = WORK_DIR / "families" / name
+    # DFlash drafts as simulated here; P-EAGLE has no pass to simulate (parallel_offline).
+    simulated = simulate_family(params, name, drafter_dir) if family.name == "dflash" else {}
     section, mismatched, verdict = run_online(params, drafter_dir, family.name, work)
-    log(
-        STAGE,
-        f"family {name} ({family.name}) in vLLM: mean acceptance length "
-        f"{section['mean_acceptance_length']:.3f}, {section['tokens_per_s']:.1f} vs "
-        f"{section['tokens_per_s_baseline']:.1f} output tokens/s without it "
-        f"(x{section['speedup']:.2f}) on {section['num_prompts']} val prompts",
-    )
     out = paths.FAMILIES_METRICS / name / "eval.json"
-    result = {
-        "family": family.name,
-        "drafting": family.drafting,
-        "online": section | {"greedy_mismatched_ids": mismatched[:20]},
-        "greedy_outputs_identical": not mismatched,
-        "lossless": verdict.section(),
-    }
+    result: dict[str, Any] = {"family": family.name, "drafting": family.drafting, **simulated}
+    if simulated:
+        result |= online_verdict(
+            section,
+            simulated["offline"]["trained"]["mean_acceptance_length"],
+            mismatched,
+            params,
+            verdict,
+            simulated.get("offline_same_prompts"),
+            drafter_dir,
+        )
+    else:
+        log(
+            STAGE,
+            f"family {name} ({family.name}) in vLLM: mean acceptance length "
+            f"{section['mean_acceptance_length']:.3f}, {section['tokens_per_s']:.1f} vs "
+            f"{section['tokens_per_s_baseline']:.1f} output tokens/s without it "
+            f"(x{section['speedup']:.2f}) on {section['num_prompts']} val prompts",
+        )
+        result |= {
+            "online": section | {"greedy_mismatched_ids": mismatched[:20]},
+            "greedy_outputs_identical": not mismatched,
+            "lossless": verdict.section(),
+        }
     atomic.write_json(out, result)
     log(STAGE, f"losslessness: {verdict.outcome} -> {out}")
     require_lossless(verdict)
@@ -110,19 +124,10 @@ def simulate_offline(params: Params) -> tuple[dict[str, dict], dict[str, Any]]:
     conventions = run_conventions(params, int(config["num_hidden_layers"]))
     aux, final = conventions.aux_layer_ids, conventions.final_layer_id
     manifest = store.read_manifest(STORE_DIR)
-    store.check_layout(manifest, aux, final, STORE_DIR)
-    val = {sid: e for sid, e in manifest["samples"].items() if e["split"] == "val"}
-    if not val:
-        raise StoreError(f"{STORE_DIR}: no val samples: raise prepare.val_ratio")
+    positions = store.check_layout(manifest, aux, final, STORE_DIR)
+    val, whole, same = _val_samples(params, manifest)
     e = params.evaluate
     k = e.num_speculative_tokens
-    whole = sorted(val)[: e.max_offline_samples]
-    # The online run's prompts, those in the store: the like-for-like reference for vLLM.
-    same = (
-        [r["id"] for r in val_conversations(e.max_eval_prompts) if r["id"] in val]
-        if e.online
-        else []
-    )
     device, dtype = drafter.compute_placement()
     d2t, t2d = drafter.load_mapping(VOCAB_DIR)
     models = {
@@ -143,7 +148,7 @@ def simulate_offline(params: Params) -> tuple[dict[str, dict], dict[str, Any]]:
     sim = offline.simulate(
         models,
         head,
-        lambda sid: store.read_sample(STORE_DIR, val[sid]),
+        lambda sid: store.read_sample(STORE_DIR, val[sid], layers=positions),
         whole,
         k,
         same_ids=same,
@@ -203,6 +208,70 @@ def simulate_offline(params: Params) -> tuple[dict[str, dict], dict[str, Any]]:
             f"answer tokens, as vLLM drafts them: mean acceptance length {same_mal:.3f}",
         )
     return simulated, result
+
+
+def _val_samples(
+    params: Params, manifest: dict[str, Any]
+) -> tuple[dict[str, dict], list[str], list[str]]:
+    """(the store's val entries, the ids simulated on the whole val, the online run's prompts
+    that the store holds: the like-for-like reference for vLLM)."""
+    val = {sid: e for sid, e in manifest["samples"].items() if e["split"] == "val"}
+    if not val:
+        raise StoreError(f"{STORE_DIR}: no val samples: raise prepare.val_ratio")
+    e = params.evaluate
+    same = (
+        [r["id"] for r in val_conversations(e.max_eval_prompts) if r["id"] in val]
+        if e.online
+        else []
+    )
+    return val, sorted(val)[: e.max_offline_samples], same
+
+
+def simulate_family(params: Params, name: str, drafter_dir: Path) -> dict[str, Any]:
+    """eval.json's offline keys of a DFlash branch, simulated as it drafts (one block per
+    pass: evaluation.parallel_offline) on the store's val samples and its own layers."""
+    config = vf.text_config(vf.read_config(params.verifier.path))
+    n_layers = int(config["num_hidden_layers"])
+    own = (
+        params.layers.family_aux_layer_ids.get(name)
+        or resolve_layer_ids(params.layers, n_layers)[0]
+    )
+    manifest = store.read_manifest(STORE_DIR)
+    positions = store.check_layout(manifest, own, n_layers, STORE_DIR)
+    val, whole, same = _val_samples(params, manifest)
+    e = params.evaluate
+    device, dtype = drafter.compute_placement()
+    model = parallel_offline.load_parallel_drafter(drafter_dir, params.verifier.path, device, dtype)
+    head = offline.VerifierHead(
+        params.verifier.path, float(config.get("rms_norm_eps", 1e-6)), device, dtype
+    )
+    progress = Progress(STAGE, len(set(whole) | set(same)), unit="samples")
+    sim = offline.simulate(
+        {"trained": model},
+        head,
+        lambda sid: store.read_sample(STORE_DIR, val[sid], layers=positions),
+        whole,
+        e.num_speculative_tokens,
+        same_ids=same,
+        max_positions=e.max_new_tokens,
+        on_sample=progress.advance,
+        matches=parallel_offline.dflash_matches,
+    )
+    del model, head
+    gc.collect()
+    trained = sim.whole["trained"].summary()
+    result: dict[str, Any] = {"offline": {"trained": trained}}
+    log(
+        STAGE,
+        f"family {name}: simulated mean acceptance length {trained['mean_acceptance_length']:.3f}"
+        f" over {trained['num_drafts']} blocks on {len(whole)} val samples (layers {own})",
+    )
+    if sim.same is not None:
+        result["offline_same_prompts"] = sim.same.summary() | {
+            "num_prompts": sim.num_same,
+            "max_new_tokens": e.max_new_tokens,
+        }
+    return result
 
 
 def val_conversations(limit: int) -> list[dict[str, Any]]:
@@ -287,6 +356,7 @@ def online_verdict(
     params: Params,
     verdict: Verdict | None = None,
     offline_same: dict[str, Any] | None = None,
+    drafter_dir: Path = DRAFTER_DIR,
 ) -> dict[str, Any]:
     """eval.json keys of the online run; logs summary lines and, if needed, one warning.
 
@@ -338,7 +408,7 @@ def online_verdict(
             STAGE,
             f"MISMATCH: vLLM accepts far less than simulated ({mal:.2f} vs {reference:.2f}, "
             f"{limit}); likely causes: "
-            f"{MISMATCH_CAUSES}: compare {DRAFTER_DIR}/config.json with the served verifier",
+            f"{MISMATCH_CAUSES}: compare {drafter_dir}/config.json with the served verifier",
         )
     section = section | {"greedy_mismatched_ids": mismatched[:20]}
     out = {

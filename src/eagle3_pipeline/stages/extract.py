@@ -38,7 +38,7 @@ from eagle3_pipeline.progress import Progress, log
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.store import names
 from eagle3_pipeline.verifier import identity as vf
-from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
+from eagle3_pipeline.verifier.layer_ids import store_aux_layer_ids
 
 if TYPE_CHECKING:
     import torch
@@ -171,7 +171,8 @@ def run(params: Params, shard: tuple[int, int] | None = None) -> None:
     """Extract every sample (or shard i of n of the batches); without a shard, build the store."""
     config = vf.read_config(params.verifier.path)
     n_layers, hidden, _ = vf.shape(config)
-    aux, final = resolve_layer_ids(params.layers, n_layers)
+    # Every drafter's layers: train's, and each family's own (layers.family_aux_layer_ids).
+    aux, final = store_aux_layer_ids(params.layers, n_layers), n_layers
     rows = {
         r["id"]: r
         for split in ("train", "val")

@@ -73,6 +73,7 @@ class TrainInputs:
     n_train: int
     work: Path
     row_ids: list[str]  # sample id of each row, in the order speculators indexes them
+    positions: list[int] | None = None  # the run's layers in the store's files (final last)
     mask: tuple[int, str] | None = None  # P-EAGLE/DFlash mask token id, and how it was chosen
     record_as: str = STAGE  # the stage name of cluster records: train, or family@NAME
 
@@ -175,7 +176,9 @@ def family_branch(params: Params, name: str) -> tuple[Params, Outputs]:
     entry = families.entry(params.families, name)
     init_from = params.train.init_from if entry.name == "eagle3" else None
     t = params.train.model_copy(update={"family": entry, "init_from": init_from})
-    return params.model_copy(update={"train": t}), Outputs.of_family(name)
+    own = params.layers.family_aux_layer_ids.get(name)  # else train's, from the same store
+    layers = params.layers.model_copy(update={"aux_layer_ids": own}) if own else params.layers
+    return params.model_copy(update={"train": t, "layers": layers}), Outputs.of_family(name)
 
 
 def _check_and_log(
@@ -212,6 +215,8 @@ def _check_server(
         return
     stored = FP8Transfer(inputs.data_dir / "hidden_states").get_cached(row)
     assert stored is not None  # write_training_data linked it
+    if inputs.positions is not None:  # the run's layers of a store that holds more
+        stored["hidden_states"] = stored["hidden_states"][:, inputs.positions]
     args = argparse.Namespace(**build_train_config(_settings(params, inputs, flags)).flatten())
     worst = online.check_server(
         source,
@@ -234,7 +239,7 @@ def _inputs(params: Params, family_key: str = "train.family") -> TrainInputs:
     conventions = run_conventions(params, n_layers)
     aux, final = conventions.aux_layer_ids, conventions.final_layer_id
     manifest = store.read_manifest(paths.HIDDEN_STATES)
-    store.check_layout(manifest, aux, final, paths.HIDDEN_STATES)
+    positions = store.check_layout(manifest, aux, final, paths.HIDDEN_STATES)
     # Never train on a damaged file: DVC's hardlinked cache would not notice one changed in place.
     store.verify_hashes(paths.HIDDEN_STATES, manifest)
     samples, n_train, row_ids = _samples(manifest, online=t.hidden_states == "online")
@@ -259,7 +264,7 @@ def _inputs(params: Params, family_key: str = "train.family") -> TrainInputs:
     own = resume.fingerprint(t.family.model_dump())[:8]  # branches keep each other's scratch
     scratch = STAGE if t.family == FamilyParams() else f"{STAGE}-{t.family.name}-{own}"
     work = resume.scratch_dir(scratch, key)
-    return TrainInputs(conventions, samples, n_train, work, row_ids, mask)
+    return TrainInputs(conventions, samples, n_train, work, row_ids, positions, mask)
 
 
 def _samples(
@@ -299,6 +304,7 @@ def _settings(params: Params, inputs: TrainInputs, online_flags: dict | None) ->
         train_data_ratio=train_data_ratio_for(inputs.n_train, len(inputs.samples)),
         nodes=_nodes(params),
         mask_token_id=inputs.mask[0] if inputs.mask else None,
+        store_positions=inputs.positions,
     )
     return dataclasses.replace(settings, online_flags=online_flags)
 

@@ -33,6 +33,7 @@ from eagle3_pipeline.errors import StoreError
 from eagle3_pipeline.resume import file_sha256
 from eagle3_pipeline.store.names import sample_filename
 from eagle3_pipeline.store.sizes import hidden_bytes_per_token
+from eagle3_pipeline.verifier.layer_ids import file_positions
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -203,9 +204,13 @@ def decode(raw: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) ->
 
 
 def read_sample(
-    root: Path, entry: dict[str, Any], dtype: torch.dtype = torch.bfloat16
+    root: Path,
+    entry: dict[str, Any],
+    dtype: torch.dtype = torch.bfloat16,
+    layers: list[int] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """One sample's tensors; `hidden_states` in `dtype` whatever the store's dtype."""
+    """One sample's tensors; `hidden_states` in `dtype` whatever the store's dtype, cut to
+    the positions `layers` of its layer axis when given (check_layout's)."""
     path = root / entry["file"]
     try:
         raw = load_file(str(path))
@@ -214,7 +219,10 @@ def read_sample(
             f"{path}: unreadable ({exc}): run `eagle3 store verify`, then `eagle3 extract` to "
             "rewrite it"
         ) from None
-    return decode(raw, dtype)
+    sample = decode(raw, dtype)
+    if layers is not None and layers != list(range(sample["hidden_states"].shape[1])):
+        sample["hidden_states"] = sample["hidden_states"][:, layers]
+    return sample
 
 
 def check_file(
@@ -333,10 +341,13 @@ def read_manifest(root: Path) -> dict[str, Any]:
     return manifest
 
 
-def check_layout(manifest: dict[str, Any], aux: list[int], final: int, where: Path) -> None:
-    """Refuse a store whose layer ids differ from the run's: a drafter would learn wrong inputs."""
-    if manifest["aux_layer_ids"] != aux or manifest["final_layer_id"] != final:
+def check_layout(manifest: dict[str, Any], aux: list[int], final: int, where: Path) -> list[int]:
+    """Where the run's layers (aux, then final) sit in the store's files; refuse a store that
+    lacks any of them: a drafter would learn wrong inputs. A store holds more layers when
+    families need others (layers.family_aux_layer_ids); each run reads its own."""
+    if manifest["final_layer_id"] != final:
         raise StoreError(
             f"{where}/{MANIFEST}: store has layer ids {manifest['aux_layer_ids']} + "
             f"{manifest['final_layer_id']} but params ask for {aux} + {final}: rerun extract"
         )
+    return file_positions(manifest["aux_layer_ids"], final, aux, f"{where}/{MANIFEST}")

@@ -91,8 +91,12 @@ def train_data_ratio_for(n_train: int, n_rows: int) -> float:
     return (n_train + 0.5) / n_rows
 
 
-def check_layer_count(data_dir: Path, target_layer_ids: list[int]) -> None:
-    """Fail early when files and ids disagree (speculators fails later with a matmul error)."""
+def check_layer_count(
+    data_dir: Path, target_layer_ids: list[int], positions: list[int] | None = None
+) -> None:
+    """Fail early when files and ids disagree (speculators fails later with a matmul error).
+
+    `positions`: where the run's layers sit in files that hold more (the final one last)."""
     from safetensors import safe_open
 
     path: Path | None = data_dir / "hidden_states" / "hs_0.safetensors"
@@ -102,7 +106,13 @@ def check_layer_count(data_dir: Path, target_layer_ids: list[int]) -> None:
         return  # online mode with nothing stored: the server's files are checked as they come
     with safe_open(str(path), framework="pt") as f:
         n_layers = f.get_slice("hidden_states").get_shape()[1]
-    if n_layers != len(target_layer_ids) + 1:
+    if positions is not None:
+        if len(positions) != len(target_layer_ids) + 1 or n_layers != positions[-1] + 1:
+            raise ValueError(
+                f"{path} holds {n_layers} layers; the run reads positions {positions} for aux "
+                f"ids {target_layer_ids} + final: rerun extract"
+            )
+    elif n_layers != len(target_layer_ids) + 1:
         raise ValueError(
             f"{path} holds {n_layers} layers but target_layer_ids {target_layer_ids} name "
             f"{len(target_layer_ids)} aux layers: pass the aux ids only (the files hold them "

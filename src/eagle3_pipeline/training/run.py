@@ -31,6 +31,7 @@ from eagle3_pipeline.drafter.conventions import RunConventions
 from eagle3_pipeline.drafter.families import FamilyParams
 from eagle3_pipeline.params import TrainParams
 from eagle3_pipeline.serving.chat import API_KEY_VAR
+from eagle3_pipeline.training import layer_view
 from eagle3_pipeline.training.checkpoints import discard_incomplete, exact_resume
 from eagle3_pipeline.training.data import check_layer_count
 from eagle3_pipeline.training.family_flags import draft_model_class, trainer_flags
@@ -106,6 +107,9 @@ class TrainSettings:
     # The drafter family (drafter.families) and, for P-EAGLE and DFlash, its resolved mask token.
     family: FamilyParams = field(default_factory=FamilyParams)
     mask_token_id: int | None = None
+    # Where the run's layers (aux, then final) sit in the store's files; None: the files hold
+    # exactly them. A store that also holds other families' layers is read through a view.
+    store_positions: list[int] | None = None
 
     @property
     def draft_config_file(self) -> Path:
@@ -126,6 +130,7 @@ class TrainSettings:
         train_data_ratio: float,
         nodes: int = 1,
         mask_token_id: int | None = None,
+        store_positions: list[int] | None = None,
     ) -> TrainSettings:
         """The settings of the `train` stage. Every step's metrics reach DVCLive;
         `t.log_every_steps` thins the log lines only (metrics.MetricsSink). `nodes`: training
@@ -160,6 +165,7 @@ class TrainSettings:
             draft_layer_config=conventions.layer_config,
             family=t.family,
             mask_token_id=mask_token_id,
+            store_positions=store_positions,
         )
 
 
@@ -284,7 +290,7 @@ def _check(s: TrainSettings) -> None:
         raise ValueError(f"keep_last={s.keep_last} must be >= 1 (or None: keep every epoch)")
     if s.fsdp and "LOCAL_RANK" not in os.environ:
         raise ValueError("fsdp shards the drafter across processes: launch with torchrun")
-    check_layer_count(s.data_dir, s.target_layer_ids)
+    check_layer_count(s.data_dir, s.target_layer_ids, s.store_positions)
 
 
 def build_train_config(s: TrainSettings) -> Any:
@@ -340,6 +346,8 @@ def build_train_config(s: TrainSettings) -> Any:
         flags["fsdp_shard"] = True
     if s.online_flags:
         flags |= s.online_flags
+    if flags["hidden_states_backend"] == "fp8":  # files read here (Mooncake caches none)
+        flags |= layer_view.flags(s.store_positions)
     if not torch.cuda.is_available():
         # Flex attention and the fused loss need a GPU.
         # fp32 on CPU: bf16 matmuls are emulated here (measured 6x slower per step).

@@ -81,3 +81,23 @@ def test_kimi_profile_is_a_valid_params_file() -> None:
     assert isinstance(params, Params)
     assert params.verifier.name == "moonshotai/Kimi-K2.5" and params.verifier.trust_remote_code
     assert params.generate.reasoning_parser == "kimi_k2" and params.vllm.tensor_parallel_size == 8
+
+
+def test_kimi_families_profile_plans_the_union_store(capsys) -> None:
+    """kimi-k2.5-families: z-lab's DFlash layers beside AQ-MedAI's EAGLE-3 ones; the store holds
+    both (8 aux + final) and the plan prices it; only layers and families differ from kimi-k2.5."""
+    import yaml
+
+    families = REPO / "profiles/kimi-k2.5-families.yaml"
+    a, b = (yaml.safe_load(p.read_text()) for p in (PROFILE, families))
+    assert {k for k in a if a[k] != b[k]} == {"profile", "layers", "families"}
+    assert b["layers"]["family_aux_layer_ids"]["dflash"] == [2, 13, 25, 36, 48, 59]
+    p = plan.make_plan(load_params(families), families, *KIMI_ARGS[1::2])
+    assert p.aux_layer_ids == [3, 31, 59]  # train's drafter as in kimi-k2.5
+    assert p.store_aux_layer_ids == [2, 3, 13, 25, 31, 36, 48, 59]
+    assert p.store_bytes_per_token["bf16"] == 9 * 7168 * 2
+    assert kimi_plan().store_bytes_per_token["bf16"] == 4 * 7168 * 2
+    rc = main(["plan", "--params", str(families), *KIMI_ARGS, "--tokens", "1000000"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "9 layers x 7,168: 129,024 B/token bf16" in out
+    assert "aux [2, 3, 13, 25, 31, 36, 48, 59] + final: the union of train's [3, 31, 59]" in out

@@ -117,3 +117,18 @@ def test_family_branches_join_the_headline_table(repo: Path) -> None:
         )
         assert row is not None, revs
         assert re.findall(r"<td>([^<]*)</td>", row.group(1)) == ["2.500", "50.0%", "1.25"]
+
+
+def test_a_simulated_branch_gets_its_offline_row(repo: Path) -> None:
+    """A DFlash branch simulated offline as it drafts: an offline row above its served one."""
+    branch = repo / "metrics/families/df"
+    branch.mkdir(parents=True)
+    doc = {
+        "family": "dflash",
+        "offline": {"trained": {"mean_acceptance_length": 3.1, "acceptance_rate": 0.7}},
+        "online": {"mean_acceptance_length": 3.25, "acceptance_rate": 0.75, "speedup": 1.4},
+    }
+    (branch / "eval.json").write_text(json.dumps(doc))
+    html = build.build([]).read_text()
+    cells = re.findall(r"<td>df \(dflash\)</td><td>([^<]*)</td><td>([^<]*)</td>", html)
+    assert cells == [("offline", "3.100"), ("online (vLLM)", "3.250")]

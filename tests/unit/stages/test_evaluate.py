@@ -4,6 +4,7 @@ vLLM servers: tests/integration/test_evaluate_online.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -270,7 +271,7 @@ def test_offline_cap_is_honoured_and_reported(
     monkeypatch.setattr(evaluate.store, "read_manifest", lambda root: manifest)
     monkeypatch.setattr(evaluate.store, "check_layout", lambda *a: None)
     monkeypatch.setattr(
-        evaluate.store, "read_sample", lambda root, e: reads.append(e["file"]) or sample
+        evaluate.store, "read_sample", lambda root, e, **kw: reads.append(e["file"]) or sample
     )
     monkeypatch.setattr(evaluate.drafter, "load_mapping", lambda d: (None, None))
     monkeypatch.setattr(evaluate.drafter, "load_drafter", lambda *a: CopyDrafter())
@@ -293,3 +294,50 @@ def test_offline_cap_is_honoured_and_reported(
     assert same["num_prompts"] == 3 and same["max_new_tokens"] == 4
     # answer 4..7 (max_new_tokens 4): one draft from start 3, positions 5, 6, 7 all accepted
     assert same["num_drafts"] == 3 and same["mean_acceptance_length"] == 4.0
+
+
+@pytest.mark.parametrize(("served_drafts", "mismatch"), [(8, False), (2, True)])
+def test_a_dflash_branch_is_checked_against_its_own_simulation(
+    stage_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    served_drafts: int,
+    mismatch: bool,
+) -> None:
+    """`evaluate --family NAME`: a DFlash branch gets its offline simulation beside vLLM's figure
+    and the MISMATCH rule evaluate applies, naming the branch's checkpoint; P-EAGLE is served
+    only (nothing to simulate)."""
+
+    def fake(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+        if spec.speculative_config:  # 4 drafts of 3 per prompt, `served_drafts` accepted
+            return fake_run([[1, 2, 3]] * 3, wall=1.0, drafts=12, accepted=served_drafts * 3)
+        return fake_run([[1, 2, 3]] * 3, wall=2.0, drafts=0, accepted=0)
+
+    simulated: list[str] = []
+
+    def simulate(params: Params, name: str, drafter_dir: Path) -> dict[str, Any]:
+        simulated.append(name)
+        same = {"num_drafts": 12, "mean_acceptance_length": 3.0, "num_prompts": 3}
+        return {
+            "offline": {"trained": {"mean_acceptance_length": 3.1}},
+            "offline_same_prompts": same,
+        }
+
+    monkeypatch.setattr(oe, "serve_and_measure", fake)
+    monkeypatch.setattr(evaluate, "simulate_family", simulate)
+    params = Params.model_validate(
+        {
+            "evaluate": {"online": True, "max_eval_prompts": 3},
+            "families": {"df": {"name": "dflash", "block_size": 4}, "pe": {"name": "peagle"}},
+        }
+    )
+    evaluate.run_family(params, "df")
+    out = json.loads(Path("metrics/families/df/eval.json").read_text())
+    assert simulated == ["df"] and out["offline"]["trained"]["mean_acceptance_length"] == 3.1
+    assert out["mismatch_rule"]["compared_with"] == "offline_same_prompts"
+    assert out["mismatch"] is mismatch and out["lossless"]["verdict"] == "identical"
+    lines = [x for x in capsys.readouterr().out.splitlines() if "MISMATCH" in x]
+    assert [("models/families/df/best/config.json" in x) for x in lines] == [True] * mismatch
+    evaluate.run_family(params, "pe")
+    out = json.loads(Path("metrics/families/pe/eval.json").read_text())
+    assert simulated == ["df"] and "offline" not in out and "mismatch" not in out

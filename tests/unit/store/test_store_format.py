@@ -36,9 +36,13 @@ def test_round_trip_and_manifest(tmp_path: Path) -> None:
     m = store.read_manifest(tmp_path)
     assert m["layer_ids"] == [2, 4, 5, 8] and m["num_tokens"] == 11
     assert not list(tmp_path.glob(".*tmp"))  # no temp files left behind
-    store.check_layout(m, [2, 4, 5], 8, tmp_path)
-    with pytest.raises(StoreError, match="rerun extract"):
+    assert store.check_layout(m, [2, 4, 5], 8, tmp_path) == [0, 1, 2, 3]
+    # A run that reads some of the store's layers (a family's own ids) gets their positions.
+    assert store.check_layout(m, [5, 2], 8, tmp_path) == [2, 0, 3]
+    with pytest.raises(StoreError, match=r"not \[1\] of the run's \[1, 4, 5\]: rerun extract"):
         store.check_layout(m, [1, 4, 5], 8, tmp_path)
+    with pytest.raises(StoreError, match="rerun extract"):
+        store.check_layout(m, [2, 4, 5], 7, tmp_path)
 
 
 def test_rejects_wrong_shapes_and_ids(tmp_path: Path) -> None:

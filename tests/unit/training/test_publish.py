@@ -75,6 +75,21 @@ def test_family_branch_params() -> None:
         family_branch(params, "x")
 
 
+def test_a_branch_reads_its_own_layers_of_the_store() -> None:
+    """layers.family_aux_layer_ids.NAME: the branch's aux ids (the store holds the union);
+    without an entry a branch reads train's."""
+    params = Params.model_validate(
+        {
+            "layers": {"aux_layer_ids": [2, 4, 5], "family_aux_layer_ids": {"d": [1, 3, 7]}},
+            "families": {"d": {"name": "dflash"}, "p": {"name": "peagle"}},
+        }
+    )
+    assert family_branch(params, "d")[0].layers.aux_layer_ids == [1, 3, 7]
+    assert family_branch(params, "p")[0].layers.aux_layer_ids == [2, 4, 5]
+    with pytest.raises(ValueError, match=r"layers.family_aux_layer_ids.x: no `families` entry"):
+        Params.model_validate({"layers": {"family_aux_layer_ids": {"x": [1]}}})
+
+
 def test_branch_names_are_path_segments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="a dot would nest the params key"):
         Params.model_validate({"families": {"eagle3.1": {"name": "eagle3"}}})
