@@ -59,6 +59,7 @@ def test_metrics_are_sane(pipeline: Path) -> None:
     assert trained["mean_acceptance_length"] > untrained["mean_acceptance_length"] + 0.3
     assert trained["mean_acceptance_length"] <= 4.0 and trained["num_drafts"] > 100
     online = ev["online"]  # the default profile serves the drafter with vLLM
+    assert online["served_aux_layer_ids"] == [2, 4, 5]  # what vLLM captured, from its log
     assert ev["greedy_outputs_identical"] is True
     assert 1.0 <= online["mean_acceptance_length"] <= 4.0 and online["num_prompts"] == 6
     assert online["mean_acceptance_length"] > untrained["mean_acceptance_length"]
@@ -96,6 +97,8 @@ def test_family_branches(pipeline: Path) -> None:
         assert mean[1] < mean[0], f"{name} did not lower its train loss: {mean}"
         served = files[f"metrics/families/{name}/eval.json"]["data"]
         assert served["family"] == kind and served["lossless"]["num_diverged"] == 0
+        # vLLM captured exactly the layers the branch was trained on (read from its log).
+        assert served["online"]["served_aux_layer_ids"] == own
         # vLLM served it with its family's method, and it drafts what the verifier says.
         assert served["online"]["num_prompts"] == 6
         assert served["online"]["mean_acceptance_length"] > 1.5, (name, served["online"])

@@ -23,9 +23,11 @@ import torch
 from drafter_fixtures import build_drafter, save_legacy_flat
 from safetensors.torch import load_file, save_file
 
+from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.evaluation import offline
 from eagle3_pipeline.evaluation import online as oe
 from eagle3_pipeline.params import Params
+from eagle3_pipeline.serving.served_with import check_aux_layers
 from eagle3_pipeline.serving.server import ServerSpec, serve_many
 from eagle3_pipeline.stages import evaluate
 from eagle3_pipeline.verifier import tiny as verifier_stage
@@ -187,6 +189,7 @@ def served(verifier: Path, drafters: dict, tmp_path_factory: pytest.TempPathFact
         ),
         "offline_summary": (summary := _offline_mal(verifier, drafters["model"], runs["baseline"])),
         "offline": summary["mean_acceptance_length"],
+        "logs": {"right": right_spec.log_file, "shifted": shifted_spec.log_file},
     }
 
 
@@ -202,6 +205,8 @@ def test_flat_drafter_served_beside_mla_verifier_raises_no_alarm(served: dict, c
     )
     out = evaluate.online_verdict(right, offline_mal, [], PARAMS, served["right_verdict"])
     assert out["mismatch"] is False and out["lossless"]["verdict"] != "diverged"
+    # vLLM's own log names the layers it captured: the ones the drafter was built to read.
+    assert check_aux_layers(served["logs"]["right"], AUX, Path("d"), "evaluate") == AUX
     assert "MISMATCH" not in capsys.readouterr().out
 
 
@@ -212,6 +217,9 @@ def test_shifted_aux_ids_fire_the_mismatch_alarm(served: dict, capsys) -> None:
     assert shifted["mean_acceptance_length"] < 1 + 0.5 * (offline_mal - 1), shifted
     out = evaluate.online_verdict(shifted, offline_mal, [], PARAMS, served["shifted_verdict"])
     assert out["mismatch"] is True
+    # Named outright, before any acceptance figure: vLLM captured layers one below the trained.
+    with pytest.raises(ServerError, match=rf"captured verifier layers \[{SHIFTED[0]}, "):
+        check_aux_layers(served["logs"]["shifted"], AUX, Path("d"), "evaluate")
     lines = [x for x in capsys.readouterr().out.splitlines() if "MISMATCH" in x]
     assert len(lines) == 1 and "aux/final layer ids" in lines[0]
     # the verifier still decides every token: wrong drafts cost speed, not output

@@ -30,10 +30,10 @@ from eagle3_pipeline.evaluation import online as online_eval
 from eagle3_pipeline.evaluation.losslessness import Verdict
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import Progress, log
+from eagle3_pipeline.serving import served_with
 from eagle3_pipeline.serving.server_spec import verifier_spec
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.verifier import identity as vf
-from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
 
 STAGE = "evaluate"
 DRAFTER_DIR = paths.DRAFTER
@@ -54,7 +54,7 @@ def run(params: Params) -> None:
     tr = simulated["trained"]
     verdict: Verdict | None = None
     if e.online:
-        section, mismatched, verdict = run_online(params)
+        section, mismatched, verdict = run_online(params, aux_layer_ids=_trained_layers(params))
         result |= online_verdict(
             section,
             tr["mean_acceptance_length"],
@@ -87,7 +87,8 @@ def run_family(params: Params, name: str) -> None:
     work = WORK_DIR / "families" / name
     # DFlash drafts as simulated here; P-EAGLE has no pass to simulate (parallel_offline).
     simulated = simulate_family(params, name, drafter_dir) if family.name == "dflash" else {}
-    section, mismatched, verdict = run_online(params, drafter_dir, family.name, work)
+    own = _trained_layers(params, name)
+    section, mismatched, verdict = run_online(params, drafter_dir, family.name, work, own)
     out = paths.FAMILIES_METRICS / name / "eval.json"
     result: dict[str, Any] = {"family": family.name, "drafting": family.drafting, **simulated}
     if simulated:
@@ -232,10 +233,7 @@ def simulate_family(params: Params, name: str, drafter_dir: Path) -> dict[str, A
     pass: evaluation.parallel_offline) on the store's val samples and its own layers."""
     config = vf.text_config(vf.read_config(params.verifier.path))
     n_layers = int(config["num_hidden_layers"])
-    own = (
-        params.layers.family_aux_layer_ids.get(name)
-        or resolve_layer_ids(params.layers, n_layers)[0]
-    )
+    own = _trained_layers(params, name)
     manifest = store.read_manifest(STORE_DIR)
     positions = store.check_layout(manifest, own, n_layers, STORE_DIR)
     val, whole, same = _val_samples(params, manifest)
@@ -274,6 +272,14 @@ def simulate_family(params: Params, name: str, drafter_dir: Path) -> dict[str, A
     return result
 
 
+def _trained_layers(params: Params, family: str | None = None) -> list[int]:
+    """The aux layer ids (vLLM's convention) `train`'s drafter, or branch `family`'s, read."""
+    if family is not None and family in params.layers.family_aux_layer_ids:
+        return list(params.layers.family_aux_layer_ids[family])
+    config = vf.text_config(vf.read_config(params.verifier.path))
+    return run_conventions(params, int(config["num_hidden_layers"])).aux_layer_ids
+
+
 def val_conversations(limit: int) -> list[dict[str, Any]]:
     """The first `limit` prepared val rows (id + messages), in file order."""
     if not VAL_PROMPTS.is_file():
@@ -299,10 +305,15 @@ def require_lossless(verdict: Verdict) -> None:
 
 
 def run_online(
-    params: Params, drafter_dir: Path = DRAFTER_DIR, family: str = "eagle3", work: Path = WORK_DIR
+    params: Params,
+    drafter_dir: Path = DRAFTER_DIR,
+    family: str = "eagle3",
+    work: Path = WORK_DIR,
+    aux_layer_ids: list[int] | None = None,
 ) -> tuple[dict[str, Any], list[str], Verdict]:
     """Serve the verifier without, then with the drafter (of `family`, served from
-    `drafter_dir`, logs in `work`); (online section, differing ids, losslessness verdict)."""
+    `drafter_dir`, logs in `work`); (online section, differing ids, losslessness verdict).
+    `aux_layer_ids`: the layers the drafter was trained on, which vLLM must have captured."""
     e = params.evaluate
     rows = val_conversations(e.max_eval_prompts)
     settings = online_eval.Settings(
@@ -327,6 +338,10 @@ def run_online(
         start_together=e.start_servers_together,
         family=family,
     )
+    if aux_layer_ids is not None:
+        section["served_aux_layer_ids"] = served_with.check_aux_layers(
+            work / f"vllm-{family}.log", aux_layer_ids, drafter_dir, STAGE
+        )
     return section, [rows[i]["id"] for i in differing], verdict
 
 

@@ -325,6 +325,7 @@ def test_a_dflash_branch_is_checked_against_its_own_simulation(
 
     monkeypatch.setattr(oe, "serve_and_measure", fake)
     monkeypatch.setattr(evaluate, "simulate_family", simulate)
+    monkeypatch.setattr(evaluate, "_trained_layers", lambda params, family=None: [2, 4, 5])
     params = Params.model_validate(
         {
             "evaluate": {"online": True, "max_eval_prompts": 3},
