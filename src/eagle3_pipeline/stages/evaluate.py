@@ -255,8 +255,10 @@ def simulate_family(params: Params, name: str, drafter_dir: Path) -> dict[str, A
         on_sample=progress.advance,
         matches=parallel_offline.dflash_matches,
     )
-    del model, head
+    del model, head  # the GPU memory goes back before vLLM starts
     gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     trained = sim.whole["trained"].summary()
     result: dict[str, Any] = {"offline": {"trained": trained}}
     log(
