@@ -10,14 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from eagle3_pipeline import paths
 from eagle3_pipeline.drafter.families import Families, FamilyParams
@@ -75,8 +68,7 @@ class LayersParams(_Strict):
 
     aux_layer_ids: list[int] | None = None
     final_layer_id: int | None = None
-    # A `families` entry's own aux ids (null: aux_layer_ids): extract captures the union of
-    # every id here and aux_layer_ids, and each drafter reads its own from the one store.
+    # A `families` entry's own aux ids (else aux_layer_ids); extract captures their union.
     family_aux_layer_ids: dict[str, list[int]] = Field(default_factory=dict)
 
 

@@ -86,55 +86,30 @@ def headline(files: dict[str, sources.RevisionFiles]) -> tuple[list[str], list[l
         ev = f.eval or {}
         offline = ev.get("offline") or {}
         for name in sorted(offline, key=series.drafter_key):
-            r = offline[name] if isinstance(offline[name], dict) else {}
-            rows.append(
-                [
-                    rev,
-                    name,
-                    "offline",
-                    _fmt(r.get("mean_acceptance_length"), ".3f"),
-                    _fmt(r.get("acceptance_rate"), ".1%"),
-                    "",
-                ]
-            )
+            rows.append(_headline_row(rev, name, "offline", offline[name]))
         online = ev.get("online") or {}
         if "mean_acceptance_length" in online:
-            rows.append(
-                [
-                    rev,
-                    "trained",
-                    "online (vLLM)",
-                    _fmt(online.get("mean_acceptance_length"), ".3f"),
-                    _fmt(online.get("acceptance_rate"), ".1%"),
-                    _fmt(online.get("speedup"), ".2f"),
-                ]
-            )
+            rows.append(_headline_row(rev, "trained", "online (vLLM)", online))
         for name, doc in sorted(f.families.items()):
             label = f"{name} ({doc.get('family', '?')})"
             simulated = (doc.get("offline") or {}).get("trained")  # DFlash: as it drafts
             if isinstance(simulated, dict):
-                rows.append(
-                    [
-                        rev,
-                        label,
-                        "offline",
-                        _fmt(simulated.get("mean_acceptance_length"), ".3f"),
-                        _fmt(simulated.get("acceptance_rate"), ".1%"),
-                        "",
-                    ]
-                )
-            served = doc.get("online") or {}
-            rows.append(
-                [
-                    rev,
-                    label,
-                    "online (vLLM)",
-                    _fmt(served.get("mean_acceptance_length"), ".3f"),
-                    _fmt(served.get("acceptance_rate"), ".1%"),
-                    _fmt(served.get("speedup"), ".2f"),
-                ]
-            )
+                rows.append(_headline_row(rev, label, "offline", simulated))
+            rows.append(_headline_row(rev, label, "online (vLLM)", doc.get("online") or {}))
     return head, rows
+
+
+def _headline_row(rev: str, drafter: str, mode: str, r: Any) -> list[str]:
+    """One row: a summary's acceptance figures, and its speedup where it was served."""
+    r = r if isinstance(r, dict) else {}
+    return [
+        rev,
+        drafter,
+        mode,
+        _fmt(r.get("mean_acceptance_length"), ".3f"),
+        _fmt(r.get("acceptance_rate"), ".1%"),
+        _fmt(r.get("speedup"), ".2f") if mode != "offline" else "",
+    ]
 
 
 def build(revs: list[str], out_dir: Path = OUT_DIR) -> Path:

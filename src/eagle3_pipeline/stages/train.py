@@ -215,8 +215,7 @@ def _check_server(
         return
     stored = FP8Transfer(inputs.data_dir / "hidden_states").get_cached(row)
     assert stored is not None  # write_training_data linked it
-    if inputs.positions is not None:  # the run's layers of a store that holds more
-        stored["hidden_states"] = stored["hidden_states"][:, inputs.positions]
+    stored["hidden_states"] = stored["hidden_states"][:, inputs.positions or slice(None)]
     args = argparse.Namespace(**build_train_config(_settings(params, inputs, flags)).flatten())
     worst = online.check_server(
         source,
