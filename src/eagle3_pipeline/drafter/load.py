@@ -63,6 +63,11 @@ def _config(path: Path, verifier_path: str | Path):  # -> Eagle3SpeculatorConfig
         config = Eagle3DraftModel.config_class.from_dict(
             flat_format.to_speculators_config(raw, verifier)
         )
+    return _bind_local(config, path, verifier_path)
+
+
+def _bind_local(config, path: Path, verifier_path: str | Path):
+    """`config` with this machine's attention kernels and the run's local verifier directory."""
     config.transformer_layer_config._attn_implementation = attn_impl()  # noqa: SLF001
     if not (Path(verifier_path) / "config.json").is_file():
         raise CheckpointError(
@@ -71,6 +76,25 @@ def _config(path: Path, verifier_path: str | Path):  # -> Eagle3SpeculatorConfig
         )
     config.speculators_config.verifier.name_or_path = str(verifier_path)
     return config
+
+
+def load_parallel_drafter(
+    path: str | Path,
+    verifier_path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+):  # -> DFlashDraftModel
+    """A DFlash checkpoint (speculators format) with its verifier tensors (the embeddings it
+    shares) read from `verifier_path`, in `dtype` on `device`."""
+    from speculators.models.dflash.core import DFlashDraftModel
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}/config.json: not found: run the family@ branch")
+    config = DFlashDraftModel.config_class.from_pretrained(str(path))
+    config = _bind_local(config, path, verifier_path)
+    model = DFlashDraftModel.from_pretrained(str(path), config=config)
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def load_drafter(

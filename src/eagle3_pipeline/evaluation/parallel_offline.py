@@ -17,35 +17,11 @@ which samples the depths it trains (COD) rather than drafting every slot.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from eagle3_pipeline.drafter.load import attn_impl
-from eagle3_pipeline.errors import CheckpointError
-
 ANCHORS_PER_PASS = 512  # a chunk of anchors per forward: bounds the dense (sdpa) mask on CPU
-
-
-def load_parallel_drafter(
-    path: str | Path,
-    verifier_path: str | Path,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
-):  # -> DFlashDraftModel
-    """A DFlash checkpoint (speculators format) with its verifier tensors (the embeddings it
-    shares) read from `verifier_path`, in `dtype` on `device`."""
-    from speculators.models.dflash.core import DFlashDraftModel
-
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"{path}/config.json: not found: run the family@ branch")
-    config = DFlashDraftModel.config_class.from_pretrained(str(path))
-    config.transformer_layer_config._attn_implementation = attn_impl()  # noqa: SLF001
-    config.speculators_config.verifier.name_or_path = str(verifier_path)
-    model = DFlashDraftModel.from_pretrained(str(path), config=config)
-    return model.to(device=device, dtype=dtype).eval()
 
 
 def dflash_matches(

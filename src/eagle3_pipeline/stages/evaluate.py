@@ -86,8 +86,8 @@ def run_family(params: Params, name: str) -> None:
     drafter_dir = paths.FAMILIES_MODELS / name / "best"
     work = WORK_DIR / "families" / name
     # DFlash drafts as simulated here; P-EAGLE has no pass to simulate (parallel_offline).
-    simulated = simulate_family(params, name, drafter_dir) if family.name == "dflash" else {}
     own = _trained_layers(params, name)
+    simulated = simulate_family(params, name, drafter_dir, own) if family.name == "dflash" else {}
     section, mismatched, verdict = run_online(params, drafter_dir, family.name, work, own)
     out = paths.FAMILIES_METRICS / name / "eval.json"
     result: dict[str, Any] = {"family": family.name, "drafting": family.drafting, **simulated}
@@ -142,24 +142,7 @@ def simulate_offline(params: Params) -> tuple[dict[str, dict], dict[str, Any]]:
         models["init"] = drafter.load_drafter(
             params.train.init_from, params.verifier.path, device, dtype
         )
-    head = offline.VerifierHead(
-        params.verifier.path, float(config.get("rms_norm_eps", 1e-6)), device, dtype
-    )
-    progress = Progress(STAGE, len(set(whole) | set(same)), unit="samples")
-    sim = offline.simulate(
-        models,
-        head,
-        lambda sid: store.read_sample(STORE_DIR, val[sid], layers=positions),
-        whole,
-        k,
-        same_ids=same,
-        max_positions=e.max_new_tokens,
-        on_sample=progress.advance,
-    )
-    del models, head  # the GPU memory goes back before vLLM starts
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    sim = _simulate(params, config, models, (val, positions), whole, same)
     simulated = {name: c.summary() for name, c in sim.whole.items()}
     result: dict[str, Any] = {
         "num_speculative_tokens": k,
@@ -211,6 +194,44 @@ def simulate_offline(params: Params) -> tuple[dict[str, dict], dict[str, Any]]:
     return simulated, result
 
 
+def _simulate(
+    params: Params,
+    config: dict[str, Any],
+    models: dict[str, Any],
+    store_at: tuple[dict[str, dict], list[int]],
+    whole: list[str],
+    same: list[str],
+    matches: Any = offline.draft_matches,
+) -> offline.Simulation:
+    """`offline.simulate` of `models` on the store's val samples (`store_at`: their entries,
+    the drafters' layer positions in the files), with progress. Empties `models` and frees the
+    GPU memory afterwards: vLLM starts next."""
+    e = params.evaluate
+    val, positions = store_at
+    device, dtype = drafter.compute_placement()
+    head = offline.VerifierHead(
+        params.verifier.path, float(config.get("rms_norm_eps", 1e-6)), device, dtype
+    )
+    progress = Progress(STAGE, len(set(whole) | set(same)), unit="samples")
+    sim = offline.simulate(
+        models,
+        head,
+        lambda sid: store.read_sample(STORE_DIR, val[sid], layers=positions),
+        whole,
+        e.num_speculative_tokens,
+        same_ids=same,
+        max_positions=e.max_new_tokens,
+        on_sample=progress.advance,
+        matches=matches,
+    )
+    models.clear()
+    del head
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return sim
+
+
 def _val_samples(
     params: Params, manifest: dict[str, Any]
 ) -> tuple[dict[str, dict], list[str], list[str]]:
@@ -228,37 +249,17 @@ def _val_samples(
     return val, sorted(val)[: e.max_offline_samples], same
 
 
-def simulate_family(params: Params, name: str, drafter_dir: Path) -> dict[str, Any]:
+def simulate_family(params: Params, name: str, drafter_dir: Path, own: list[int]) -> dict[str, Any]:
     """eval.json's offline keys of a DFlash branch, simulated as it drafts (one block per
-    pass: evaluation.parallel_offline) on the store's val samples and its own layers."""
+    pass: evaluation.parallel_offline) on the store's val samples and its own layers `own`."""
     config = vf.text_config(vf.read_config(params.verifier.path))
-    n_layers = int(config["num_hidden_layers"])
-    own = _trained_layers(params, name)
     manifest = store.read_manifest(STORE_DIR)
-    positions = store.check_layout(manifest, own, n_layers, STORE_DIR)
+    positions = store.check_layout(manifest, own, int(config["num_hidden_layers"]), STORE_DIR)
     val, whole, same = _val_samples(params, manifest)
-    e = params.evaluate
-    device, dtype = drafter.compute_placement()
-    model = parallel_offline.load_parallel_drafter(drafter_dir, params.verifier.path, device, dtype)
-    head = offline.VerifierHead(
-        params.verifier.path, float(config.get("rms_norm_eps", 1e-6)), device, dtype
-    )
-    progress = Progress(STAGE, len(set(whole) | set(same)), unit="samples")
-    sim = offline.simulate(
-        {"trained": model},
-        head,
-        lambda sid: store.read_sample(STORE_DIR, val[sid], layers=positions),
-        whole,
-        e.num_speculative_tokens,
-        same_ids=same,
-        max_positions=e.max_new_tokens,
-        on_sample=progress.advance,
-        matches=parallel_offline.dflash_matches,
-    )
-    del model, head  # the GPU memory goes back before vLLM starts
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    path, placement = params.verifier.path, drafter.compute_placement()
+    models = {"trained": drafter.load_parallel_drafter(drafter_dir, path, *placement)}
+    matches = parallel_offline.dflash_matches  # `_simulate` empties `models`: the GPU is freed
+    sim = _simulate(params, config, models, (val, positions), whole, same, matches)
     trained = sim.whole["trained"].summary()
     result: dict[str, Any] = {"offline": {"trained": trained}}
     log(
@@ -269,7 +270,7 @@ def simulate_family(params: Params, name: str, drafter_dir: Path) -> dict[str, A
     if sim.same is not None:
         result["offline_same_prompts"] = sim.same.summary() | {
             "num_prompts": sim.num_same,
-            "max_new_tokens": e.max_new_tokens,
+            "max_new_tokens": params.evaluate.max_new_tokens,
         }
     return result
 

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from train_workspace import build_run_inputs, train_tiny
 
 from eagle3_pipeline.drafter.families import FamilyParams
+from eagle3_pipeline.drafter.load import load_parallel_drafter
 from eagle3_pipeline.evaluation import offline, parallel_offline
 
 pytestmark = pytest.mark.slow
@@ -27,7 +28,7 @@ def dflash(inputs: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> 
     run = tmp_path_factory.mktemp("dflash")
     family = FamilyParams(name="dflash", block_size=BLOCK, num_layers=1, mask_token_id=MASK)
     train_tiny(inputs, run, family=family, mask_token_id=MASK, epochs=1)
-    return parallel_offline.load_parallel_drafter(run / "ckpt" / "0", inputs["root"] / "verifier")
+    return load_parallel_drafter(run / "ckpt" / "0", inputs["root"] / "verifier")
 
 
 def _sample(inputs: dict[str, Any], i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

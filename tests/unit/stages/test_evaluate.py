@@ -315,7 +315,7 @@ def test_a_dflash_branch_is_checked_against_its_own_simulation(
 
     simulated: list[str] = []
 
-    def simulate(params: Params, name: str, drafter_dir: Path) -> dict[str, Any]:
+    def simulate(params: Params, name: str, drafter_dir: Path, own: list) -> dict[str, Any]:
         simulated.append(name)
         same = {"num_drafts": 12, "mean_acceptance_length": 3.0, "num_prompts": 3}
         return {
