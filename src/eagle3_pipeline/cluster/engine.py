@@ -159,6 +159,9 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # gloo's, NCCL's: one per run
+
+
 def interface_of(address: str) -> str | None:
     """This machine's network interface holding `address`; None when none does."""
     import psutil  # vLLM's and Ray's dependency
@@ -174,15 +177,18 @@ def _run_command(
 ) -> dict[str, Any]:
     """Body of a worker: the command in `cwd`, output to the worker's stdout (-> driver).
 
-    `bind_address`: the node's cluster address, which gloo's collectives must use: without
-    GLOO_SOCKET_IFNAME gloo binds whatever the hostname resolves to, often 127.0.0.1 (as on
-    Debian's 127.0.1.1), and ranks on other nodes then dial their own loopback. Looked up here,
-    on the node; a GLOO_SOCKET_IFNAME the user set wins."""
+    `bind_address`: the node's cluster address, which the collectives' sockets must use:
+    without GLOO_SOCKET_IFNAME gloo binds whatever the hostname resolves to, often 127.0.0.1
+    (as on Debian's 127.0.1.1), and ranks on other nodes then dial their own loopback; NCCL's
+    bootstrap and socket transport (NCCL_SOCKET_IFNAME; InfiniBand is chosen apart, by
+    NCCL_IB_HCA) otherwise pick the first interface that is not loopback or docker, on a GPU
+    node often a management or container interface the other nodes cannot route to. Looked up
+    here, on the node; either variable the user set wins."""
     full = driver_environ(env)
-    if bind_address and "GLOO_SOCKET_IFNAME" not in full:
-        iface = interface_of(bind_address)
-        if iface is not None:
-            full["GLOO_SOCKET_IFNAME"] = iface
+    iface = interface_of(bind_address) if bind_address else None
+    for name in SOCKET_IFNAME_VARS:
+        if iface is not None and name not in full:
+            full[name] = iface
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, cwd=cwd, env=full, preexec_fn=_die_with_parent)
     rc = proc.wait()

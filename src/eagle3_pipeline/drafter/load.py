@@ -83,17 +83,20 @@ def load_parallel_drafter(
     verifier_path: str | Path,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-):  # -> DFlashDraftModel
-    """A DFlash checkpoint (speculators format) with its verifier tensors (the embeddings it
-    shares) read from `verifier_path`, in `dtype` on `device`."""
+    family: str = "dflash",
+):  # -> DFlashDraftModel | PEagleDraftModel
+    """A parallel drafter's checkpoint (speculators format; `family` dflash or peagle) with the
+    verifier tensors it shares (embeddings) read from `verifier_path`, in `dtype` on `device`."""
     from speculators.models.dflash.core import DFlashDraftModel
+    from speculators.models.peagle.core import PEagleDraftModel
 
+    model_class = {"dflash": DFlashDraftModel, "peagle": PEagleDraftModel}[family]
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}/config.json: not found: run the family@ branch")
-    config = DFlashDraftModel.config_class.from_pretrained(str(path))
+    config = model_class.config_class.from_pretrained(str(path))
     config = _bind_local(config, path, verifier_path)
-    model = DFlashDraftModel.from_pretrained(str(path), config=config)
+    model = model_class.from_pretrained(str(path), config=config)
     return model.to(device=device, dtype=dtype).eval()
 
 

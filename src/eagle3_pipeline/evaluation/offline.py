@@ -9,8 +9,9 @@ the verifier's greedy token, i.e. exactly what vLLM feeds after k accepted draft
 
 Two figures come out of the same drafts: `accepted_prefix` counts a draft at EVERY supervised
 start (the whole-val figure), `served_walk` only at the starts vLLM reaches when it generates the
-answer itself (after the prefill's token, then one past each verified run), within its first
-`max_new_tokens` positions: the like-for-like reference for vLLM's own counters. The verifier's
+answer itself (after the prefill's token, then one past each verified run) while it owes
+`max_new_tokens` tokens, each draft counted whole as vLLM's own counters count it: the
+like-for-like reference for them. The verifier's
 greedy tokens are computed once per sample (`simulate`) and shared by every drafter simulated.
 On a GPU the drafters and the head run in bf16 there; on CPU in fp32 (drafter/load.py).
 """
@@ -166,26 +167,26 @@ def served_walk(
 ) -> torch.Tensor:
     """bool [n_drafts, num_steps]: the drafts vLLM makes when it generates this answer itself.
 
-    The answer is the first supervised span, cut to its first `max_positions` tokens (vLLM's
-    max_tokens). Its first token comes from the prefill, never drafted; the first draft
-    proposes the next one; after n accepted tokens the verifier adds one, so the next draft
-    starts n + 1 positions on. Drafts past the cut count as rejected, as they would be if the
-    answer went on. Assumes the stored answer is the verifier's greedy one (where it is not,
-    the walk still follows the stored tokens).
+    The answer is the first supervised span. Its first token comes from the prefill, never
+    drafted; the first draft proposes the next one; after n accepted tokens the verifier adds
+    one, so the next draft starts n + 1 positions on. vLLM drafts while the request still owes
+    tokens (its first `max_positions`, vLLM's max_tokens), and a draft made then is verified and
+    counted whole, past max_tokens too (the surplus is cut from the output, not from vLLM's
+    counters); past the answer's end it counts as rejected. Assumes the stored answer is the
+    verifier's greedy one (where it is not, the walk still follows the stored tokens).
     """
     supervised = (loss_mask > 0).nonzero().flatten()
     if len(supervised) == 0:
         return ok[:0]
     answer = int(supervised[0])
     gaps = (loss_mask[answer:] == 0).nonzero().flatten()
-    cut = answer + int(gaps[0]) if len(gaps) else len(loss_mask)
-    if max_positions is not None:
-        cut = min(cut, answer + max_positions)
+    end = answer + int(gaps[0]) if len(gaps) else len(loss_mask)
+    owed = end if max_positions is None else min(end, answer + max_positions)
     steps = torch.arange(ok.shape[1])
     rows = []
     i = answer - 1  # draft from the prefill's hidden state: proposes position answer + 1
-    while i + 2 < cut:
-        row = ok[i] & (i + 2 + steps < cut)
+    while i + 2 < owed:
+        row = ok[i] & (i + 2 + steps < end)
         row = torch.cumprod(row.int(), dim=0).bool()
         rows.append(row)
         i += int(row.sum()) + 1
@@ -235,8 +236,8 @@ def simulate(
 ) -> Simulation:
     """Every model at every supervised start of the `whole_ids` samples, and the `served` model
     on vLLM's walk through the first `max_positions` answer tokens of the `same_ids` samples.
-    `matches` drafts as the family does (EAGLE-3's chain here; DFlash's block:
-    parallel_offline.dflash_matches).
+    `matches` drafts as the family does (EAGLE-3's chain here; DFlash's and P-EAGLE's one pass
+    per draft: parallel_offline.MATCHES).
 
     Each sample is read once and its verifier greedy tokens computed once, whatever the number
     of models; a sample in both sets is simulated once per model.

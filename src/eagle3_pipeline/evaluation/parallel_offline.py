@@ -1,18 +1,25 @@
-"""Offline simulated acceptance of a DFlash drafter: one parallel pass per draft, as vLLM drafts.
+"""Offline simulated acceptance of parallel drafters (DFlash, P-EAGLE): one pass per draft,
+as vLLM drafts them.
 
-DFlash drafts a whole block from the verifier's context alone: the anchor (the last verified
-token), then mask tokens in the slots it drafts. Nothing it drafted is fed back, so its
-teacher-forced pass IS its inference, and the simulation runs speculators' own anchored-block
-forward with every position an anchor (in chunks, the sequence padded so the last positions
-anchor too). Row i of the result is numbered as `offline.draft_matches` numbers EAGLE-3's (the
-draft made once position i + 1 is verified): slot j + 1 of the block anchored at i + 1 proposes
-position i + 2 + j, accepted when it equals the verifier's greedy token there over the FULL
-target vocab (d2t maps draft ids; speculators' own `eal` compares within the draft vocab, which
-never misses). `offline.accepted_prefix` and `offline.served_walk` then count the rows as they
-count EAGLE-3's, so the two families' figures are the same measure.
+A parallel drafter proposes all its slots in one pass from the verifier's context: the anchor (the
+last verified token), then mask tokens in the slots it drafts. Nothing it drafted is fed back,
+so its teacher-forced pass with every position an anchor IS its inference.
 
-P-EAGLE is not simulated: speculators 0.9 has no P-EAGLE pass outside its training forward,
-which samples the depths it trains (COD) rather than drafting every slot.
+- DFlash: speculators' own anchored-block forward, every position an anchor (in chunks, the
+  sequence padded so the last positions anchor too).
+- P-EAGLE: the pass of speculators' training forward with every (anchor, depth) pair in place of
+  its COD sample: depth 0 is EAGLE-3's input (token i + 1, the verifier's states at i), depth
+  d >= 1 the mask token and the learned `mask_hidden`, each attending to every depth-0 entry up to
+  its anchor and to its own rollout's lower depths (speculators' `create_peagle_mask_mod`); vLLM
+  drafts the same (parallel drafting: mask slots after the last verified token, their hidden
+  state `combine_hidden_states(mask_hidden)`).
+
+Row i of the result is numbered as `offline.draft_matches` numbers EAGLE-3's (the draft made once
+position i + 1 is verified): slot k proposes position i + 2 + k, accepted when it equals the
+verifier's greedy token there over the FULL target vocab (d2t maps draft ids; speculators' own
+DFlash `eal` compares within the draft vocab, which never misses). `offline.accepted_prefix` and
+`offline.served_walk` then count the rows as they count EAGLE-3's, so every family's figures are
+the same measure.
 """
 
 from __future__ import annotations
@@ -77,3 +84,96 @@ def dflash_matches(
             verifier[valid] = greedy[pos[valid] - 1]  # greedy[p]: the verifier's token at p + 1
             ok[anchors - 1, k] = valid & (target == verifier)
     return ok
+
+
+def peagle_matches(
+    drafter: Any,
+    hidden_states: torch.Tensor,
+    token_ids: torch.Tensor,
+    greedy: torch.Tensor,
+    num_steps: int,
+    anchors_per_pass: int = ANCHORS_PER_PASS,
+) -> torch.Tensor:
+    """bool [L - 1, num_steps] (CPU): depth k of the rollout anchored at row i (token i + 1,
+    states at i) equals the verifier's greedy token at i + 2 + k (False past the end)."""
+    device = next(drafter.parameters()).device
+    dtype = next(drafter.parameters()).dtype
+    length = token_ids.shape[0]
+    rows = length - 1  # speculators' shift_batch: token i + 1 beside the states of i
+    aux = hidden_states[:-1, :-1].flatten(1).to(device=device, dtype=dtype)
+    ids = token_ids[1:].to(device)
+    d2t = drafter.d2t.cpu() if drafter.d2t is not None else None
+    ok = torch.zeros(rows, num_steps, dtype=torch.bool)
+    for start in range(0, rows, anchors_per_pass):
+        stop = min(start + anchors_per_pass, rows)
+        # depth 0 of every row up to the chunk's last anchor (their context), then the chunk's
+        # anchors at each depth, as generate_cod_sample_indices orders its sample.
+        spans = [torch.arange(stop)] + [torch.arange(start, stop)] * (num_steps - 1)
+        anchor = torch.cat(spans).to(device)
+        depth = torch.cat([torch.full((len(x),), d) for d, x in enumerate(spans)]).to(device)
+        with torch.no_grad():
+            logits = peagle_logits(drafter, aux[:stop], ids[:stop], anchor, depth)
+        drafts = logits.argmax(-1).cpu()
+        anchor, depth = anchor.cpu(), depth.cpu()
+        for k in range(num_steps):
+            pick = (depth == k) & (anchor >= start)
+            rows_k, draft = anchor[pick], drafts[pick]
+            target = draft + d2t[draft] if d2t is not None else draft
+            pos = rows_k + 2 + k  # the position depth k proposes
+            valid = pos < length
+            verifier = torch.full_like(pos, -1)
+            verifier[valid] = greedy[pos[valid] - 1]  # greedy[p]: the verifier's token at p + 1
+            ok[rows_k, k] = valid & (target == verifier)
+    return ok
+
+
+def peagle_logits(
+    drafter: Any,
+    aux: torch.Tensor,
+    ids: torch.Tensor,
+    anchor: torch.Tensor,
+    depth: torch.Tensor,
+) -> torch.Tensor:
+    """[len(anchor), draft vocab]: PEagleDraftModel.forward's logits for the sample (anchor,
+    depth) of rows `aux` [S, n_aux * H] / `ids` [S] (already shifted), one document; the
+    forward's own steps without its COD sampling and loss (it would index depth >= 1 rows past
+    the sequence's end, which a draft at the last positions needs)."""
+    from speculators.models.peagle.attention import create_peagle_mask_mod
+
+    is_depth_0 = depth == 0
+    row = anchor.clamp(max=len(ids) - 1)  # depth >= 1 reads neither token nor states
+    sampled_ids = torch.where(is_depth_0, ids[row], drafter.mask_token_id).unsqueeze(0)
+    embeds = drafter.embed_tokens(sampled_ids).to(aux.dtype)
+    mask_hidden = drafter.mask_hidden.to(aux.dtype).reshape(1, -1)
+    hidden = torch.where(is_depth_0.unsqueeze(-1), aux[row], mask_hidden).unsqueeze(0)
+    if drafter.input_norm is not None:
+        hidden = drafter.input_norm(hidden)
+    if drafter.fc_norm is not None:
+        chunks = hidden.chunk(len(drafter.fc_norm), dim=-1)
+        hidden = torch.cat([n(c) for n, c in zip(drafter.fc_norm, chunks, strict=True)], dim=-1)
+    layer_input = torch.cat([embeds, drafter.fc(hidden)], dim=-1)
+    position_ids = (anchor + depth).unsqueeze(0)
+    position_embeddings = drafter.rotary_emb(layer_input, position_ids)
+    documents = torch.zeros(len(ids), dtype=torch.long, device=ids.device)
+
+    def attention_mask(window: int | None) -> Any:
+        mask_mod = create_peagle_mask_mod(anchor, depth, documents, sliding_window=window)
+        n = len(anchor)
+        return drafter._create_mask_fn(  # noqa: SLF001
+            mask_mod, B=None, H=None, Q_LEN=n, KV_LEN=n, device=ids.device
+        )
+
+    full = attention_mask(None) if drafter.uses_full_attn else None
+    window = attention_mask(drafter.sliding_window) if drafter.uses_sliding_window_attn else None
+    out = layer_input
+    for index, layer in enumerate(drafter.layers):
+        out = layer(
+            out,
+            attention_mask=window if index in drafter.sliding_window_indices else full,
+            position_ids=position_ids,
+            position_embeddings=position_embeddings,
+        )
+    return drafter.lm_head(drafter.norm(out))[0]
+
+
+MATCHES = {"dflash": dflash_matches, "peagle": peagle_matches}  # by family (speculator type)

@@ -92,7 +92,7 @@ def headline(files: dict[str, sources.RevisionFiles]) -> tuple[list[str], list[l
             rows.append(_headline_row(rev, "trained", "online (vLLM)", online))
         for name, doc in sorted(f.families.items()):
             label = f"{name} ({doc.get('family', '?')})"
-            simulated = (doc.get("offline") or {}).get("trained")  # DFlash: as it drafts
+            simulated = (doc.get("offline") or {}).get("trained")  # as its family drafts
             if isinstance(simulated, dict):
                 rows.append(_headline_row(rev, label, "offline", simulated))
             rows.append(_headline_row(rev, label, "online (vLLM)", doc.get("online") or {}))

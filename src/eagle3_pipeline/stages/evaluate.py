@@ -70,11 +70,10 @@ def run(params: Params) -> None:
 
 
 def run_family(params: Params, name: str) -> None:
-    """`family@NAME`'s evaluation (`eagle3 evaluate --family NAME`): vLLM with and without
-    the branch's best checkpoint, served by its family's method, on the same val prompts and
-    settings as `evaluate`'s online run; metrics/families/NAME/eval.json. A DFlash branch is
-    also simulated offline as it drafts, and vLLM's figure checked against that simulation
-    like evaluate's (P-EAGLE: online only)."""
+    """`family@NAME`'s evaluation (`eagle3 evaluate --family NAME`): the branch's best
+    checkpoint simulated offline as its family drafts, then served by vLLM with and without it on
+    the same val prompts and settings as `evaluate`'s online run, vLLM's figure checked against
+    the simulation like evaluate's; metrics/families/NAME/eval.json."""
     family = families.entry(params.families, name)
     k, most = params.evaluate.num_speculative_tokens, family.drafts_per_pass
     if most is not None and k > most:
@@ -84,36 +83,22 @@ def run_family(params: Params, name: str) -> None:
             "pass: lower it or raise the family's num_depths / block_size"
         )
     drafter_dir = paths.FAMILIES_MODELS / name / "best"
-    work = WORK_DIR / "families" / name
-    # DFlash drafts as simulated here; P-EAGLE has no pass to simulate (parallel_offline).
     own = _trained_layers(params, name)
-    simulated = simulate_family(params, name, drafter_dir, own) if family.name == "dflash" else {}
-    section, mismatched, verdict = run_online(params, drafter_dir, family.name, work, own)
+    simulated = simulate_family(params, name, drafter_dir, own)
+    section, mismatched, verdict = run_online(
+        params, drafter_dir, family.name, WORK_DIR / "families" / name, own
+    )
     out = paths.FAMILIES_METRICS / name / "eval.json"
     result: dict[str, Any] = {"family": family.name, "drafting": family.drafting, **simulated}
-    if simulated:
-        result |= online_verdict(
-            section,
-            simulated["offline"]["trained"]["mean_acceptance_length"],
-            mismatched,
-            params,
-            verdict,
-            simulated.get("offline_same_prompts"),
-            drafter_dir,
-        )
-    else:
-        log(
-            STAGE,
-            f"family {name} ({family.name}) in vLLM: mean acceptance length "
-            f"{section['mean_acceptance_length']:.3f}, {section['tokens_per_s']:.1f} vs "
-            f"{section['tokens_per_s_baseline']:.1f} output tokens/s without it "
-            f"(x{section['speedup']:.2f}) on {section['num_prompts']} val prompts",
-        )
-        result |= {
-            "online": section | {"greedy_mismatched_ids": mismatched[:20]},
-            "greedy_outputs_identical": not mismatched,
-            "lossless": verdict.section(),
-        }
+    result |= online_verdict(
+        section,
+        simulated["offline"]["trained"]["mean_acceptance_length"],
+        mismatched,
+        params,
+        verdict,
+        simulated.get("offline_same_prompts"),
+        drafter_dir,
+    )
     atomic.write_json(out, result)
     log(STAGE, f"losslessness: {verdict.outcome} -> {out}")
     require_lossless(verdict)
@@ -250,22 +235,28 @@ def _val_samples(
 
 
 def simulate_family(params: Params, name: str, drafter_dir: Path, own: list[int]) -> dict[str, Any]:
-    """eval.json's offline keys of a DFlash branch, simulated as it drafts (one block per
-    pass: evaluation.parallel_offline) on the store's val samples and its own layers `own`."""
+    """eval.json's offline keys of a branch, simulated as its family drafts (EAGLE-3 chained:
+    evaluation.offline; DFlash and P-EAGLE one pass per draft: evaluation.parallel_offline) on
+    the store's val samples and its own layers `own`."""
     config = vf.text_config(vf.read_config(params.verifier.path))
     manifest = store.read_manifest(STORE_DIR)
     positions = store.check_layout(manifest, own, int(config["num_hidden_layers"]), STORE_DIR)
     val, whole, same = _val_samples(params, manifest)
     path, placement = params.verifier.path, drafter.compute_placement()
-    models = {"trained": drafter.load_parallel_drafter(drafter_dir, path, *placement)}
-    matches = parallel_offline.dflash_matches  # `_simulate` empties `models`: the GPU is freed
+    family = families.entry(params.families, name).name
+    if family == "eagle3":
+        models = {"trained": drafter.load_drafter(drafter_dir, path, *placement)}
+        matches = offline.draft_matches
+    else:
+        loaded = drafter.load_parallel_drafter(drafter_dir, path, *placement, family=family)
+        models, matches = {"trained": loaded}, parallel_offline.MATCHES[family]
     sim = _simulate(params, config, models, (val, positions), whole, same, matches)
     trained = sim.whole["trained"].summary()
     result: dict[str, Any] = {"offline": {"trained": trained}}
     log(
         STAGE,
         f"family {name}: simulated mean acceptance length {trained['mean_acceptance_length']:.3f}"
-        f" over {trained['num_drafts']} blocks on {len(whole)} val samples (layers {own})",
+        f" over {trained['num_drafts']} drafts on {len(whole)} val samples (layers {own})",
     )
     if sim.same is not None:
         result["offline_same_prompts"] = sim.same.summary() | {

@@ -1,6 +1,6 @@
 """The body of a cluster worker (engine._run_command), run here without Ray: the command gets the
 driver's environment, not the OMP_NUM_THREADS Ray sets in a worker; with a bind address, gloo's
-interface is the one holding it."""
+interface (and NCCL's) is the one holding it."""
 
 from __future__ import annotations
 
@@ -40,17 +40,18 @@ def test_the_driver_s_own_omp_num_threads_does(
     assert _run(tmp_path, {"OMP_NUM_THREADS": "3"}) == "3 None"
 
 
-def test_gloo_binds_the_interface_that_holds_the_node_s_address(
+def test_gloo_and_nccl_bind_the_interface_that_holds_the_node_s_address(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    both = ["GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"]
+    for name in both:
+        monkeypatch.delenv(name, raising=False)
     loopback = engine.interface_of("127.0.0.1")
     assert loopback is not None and loopback.startswith("lo")
-    assert _run(tmp_path, {}, ["GLOO_SOCKET_IFNAME"], "127.0.0.1") == loopback
-    assert _run(tmp_path, {}, ["GLOO_SOCKET_IFNAME"], None) == "None"  # not asked: unset
-    assert engine.interface_of("203.0.113.77") is None  # no interface: left to gloo
-    assert _run(tmp_path, {}, ["GLOO_SOCKET_IFNAME"], "203.0.113.77") == "None"
-    # the user's choice wins
-    assert _run(tmp_path, {"GLOO_SOCKET_IFNAME": "eth9"}, ["GLOO_SOCKET_IFNAME"], "127.0.0.1") == (
-        "eth9"
-    )
+    assert _run(tmp_path, {}, both, "127.0.0.1") == f"{loopback} {loopback}"
+    assert _run(tmp_path, {}, both, None) == "None None"  # not asked: unset
+    assert engine.interface_of("203.0.113.77") is None  # no interface: left to gloo and NCCL
+    assert _run(tmp_path, {}, both, "203.0.113.77") == "None None"
+    # the user's choice wins, each variable on its own
+    assert _run(tmp_path, {"GLOO_SOCKET_IFNAME": "eth9"}, both, "127.0.0.1") == f"eth9 {loopback}"
+    assert _run(tmp_path, {"NCCL_SOCKET_IFNAME": "ib0"}, both, "127.0.0.1") == f"{loopback} ib0"

@@ -157,8 +157,14 @@ def test_served_walk_jumps_past_accepted_tokens() -> None:
     assert offline.served_walk(ok, mask).tolist() == [[True, True], [True, True]]
     # max_tokens 4: positions 2..5; the second draft would start past them
     assert offline.served_walk(ok, mask, max_positions=4).tolist() == [[True, True]]
-    # max_tokens 2: positions 2..3; the first draft's step 1 (position 4) is cut
-    assert offline.served_walk(ok, mask, max_positions=2).tolist() == [[True, False]]
+    # max_tokens 2: positions 2..3; the first draft is still verified whole (position 4 too),
+    # as vLLM counts it, though its output stops at position 3
+    assert offline.served_walk(ok, mask, max_positions=2).tolist() == [[True, True]]
+    # max_tokens 1: the prefill's token is all it owes: no draft
+    assert offline.served_walk(ok, mask, max_positions=1).shape == (0, 2)
+    # past the answer's end a draft counts as rejected: start 4 proposes 6, 7; 7 is past it
+    short = torch.tensor([0, 0, 1, 1, 1, 1, 1, 0])
+    assert offline.served_walk(ok, short).tolist() == [[True, True], [True, False]]
     # nothing accepted: one draft per position, starts 1..5
     assert offline.served_walk(~ok, mask).tolist() == [[False, False]] * 5
 

@@ -297,16 +297,15 @@ def test_offline_cap_is_honoured_and_reported(
 
 
 @pytest.mark.parametrize(("served_drafts", "mismatch"), [(8, False), (2, True)])
-def test_a_dflash_branch_is_checked_against_its_own_simulation(
+def test_a_branch_is_checked_against_its_own_simulation(
     stage_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture,
     served_drafts: int,
     mismatch: bool,
 ) -> None:
-    """`evaluate --family NAME`: a DFlash branch gets its offline simulation beside vLLM's figure
-    and the MISMATCH rule evaluate applies, naming the branch's checkpoint; P-EAGLE is served
-    only (nothing to simulate)."""
+    """`evaluate --family NAME`: every branch (DFlash, P-EAGLE) gets its offline simulation
+    beside vLLM's figure and the MISMATCH rule evaluate applies, naming its own checkpoint."""
 
     def fake(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
         if spec.speculative_config:  # 4 drafts of 3 per prompt, `served_drafts` accepted
@@ -341,4 +340,7 @@ def test_a_dflash_branch_is_checked_against_its_own_simulation(
     assert [("models/families/df/best/config.json" in x) for x in lines] == [True] * mismatch
     evaluate.run_family(params, "pe")
     out = json.loads(Path("metrics/families/pe/eval.json").read_text())
-    assert simulated == ["df"] and "offline" not in out and "mismatch" not in out
+    assert simulated == ["df", "pe"] and out["mismatch"] is mismatch
+    assert out["family"] == "peagle" and out["drafting"] == "parallel"
+    lines = [x for x in capsys.readouterr().out.splitlines() if "MISMATCH" in x]
+    assert [("models/families/pe/best/config.json" in x) for x in lines] == [True] * mismatch
