@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
 from eagle3_pipeline import paths
 from eagle3_pipeline.drafter.families import Families, FamilyParams
@@ -351,6 +359,9 @@ class EvaluateParams(_Strict):
     # Further concurrencies at which both servers are timed again on the same prompts (tokens/s
     # with and without the drafter, and acceptance): eval.json online.by_concurrency.
     throughput_concurrency: list[int] = Field(default_factory=list)
+    # Further draft counts at which vLLM serves each drafter again (a server start each), and the
+    # simulation walks: eval.json online.by_num_speculative_tokens, best_num_speculative_tokens.
+    num_speculative_tokens_sweep: list[PositiveInt] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _positive_concurrency(self) -> EvaluateParams:

@@ -22,3 +22,13 @@ def summary(
         "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
         "acceptance_per_position": [a / drafts if drafts else 0.0 for a in accepted_per_pos],
     }
+
+
+def served_acceptance(counts: dict[str, float], k: int) -> dict[str, Any]:
+    """`summary` of vLLM's spec-decode counters (online.spec_counters, or their deltas)."""
+    return summary(
+        counts["num_drafts"],
+        counts["num_draft_tokens"],
+        counts["num_accepted_tokens"],
+        [counts[f"accepted_pos_{p}"] for p in range(k)],
+    )

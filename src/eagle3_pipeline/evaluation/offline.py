@@ -19,7 +19,7 @@ On a GPU the drafters and the head run in bf16 there; on CPU in fp32 (drafter/lo
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +220,7 @@ class Simulation:
     same: AcceptanceCounts | None
     num_whole: int
     num_same: int
+    same_by_k: dict[int, AcceptanceCounts] = field(default_factory=dict)  # `sweep`'s walks
 
 
 def simulate(
@@ -233,6 +234,7 @@ def simulate(
     max_positions: int | None = None,
     on_sample: Callable[[], None] | None = None,
     matches: Callable[..., torch.Tensor] = draft_matches,
+    sweep: Iterable[int] = (),
 ) -> Simulation:
     """Every model at every supervised start of the `whole_ids` samples, and the `served` model
     on vLLM's walk through the first `max_positions` answer tokens of the `same_ids` samples.
@@ -240,12 +242,14 @@ def simulate(
     per draft: parallel_offline.MATCHES).
 
     Each sample is read once and its verifier greedy tokens computed once, whatever the number
-    of models; a sample in both sets is simulated once per model.
+    of models; a sample in both sets is simulated once per model. `sweep`: further draft
+    counts at which the `served` model's walk is simulated again (drafting that many).
     """
     whole, same = list(whole_ids), list(same_ids)
     in_whole, in_same = set(whole), set(same)
     counts = {name: AcceptanceCounts(num_steps) for name in models}
     same_counts = AcceptanceCounts(num_steps) if same else None
+    by_k = {n: AcceptanceCounts(n) for n in sweep if n != num_steps} if same else {}
     for sid in whole + [s for s in same if s not in in_whole]:
         t = read(sid)
         hs, ids, mask = t["hidden_states"], t["token_ids"], t["loss_mask"]
@@ -259,6 +263,8 @@ def simulate(
                 counts[name].add(accepted_prefix(ok, mask))
             if walk and same_counts is not None:
                 same_counts.add(served_walk(ok, mask, max_positions))
+                for n, c in by_k.items():
+                    c.add(served_walk(matches(model, hs, ids, greedy, n), mask, max_positions))
         if on_sample is not None:
             on_sample()
-    return Simulation(counts, same_counts, len(whole), len(in_same))
+    return Simulation(counts, same_counts, len(whole), len(in_same), by_k)

@@ -19,8 +19,9 @@ from typing import Any
 import requests
 
 from eagle3_pipeline.errors import ServerError
-from eagle3_pipeline.evaluation import acceptance
+from eagle3_pipeline.evaluation import draft_sweep
 from eagle3_pipeline.evaluation import losslessness as lossless
+from eagle3_pipeline.evaluation.acceptance import served_acceptance
 from eagle3_pipeline.serving.chat import (
     ChatClient,
     ChatReply,
@@ -114,16 +115,6 @@ def spec_counters(values: dict[str, float], k: int) -> dict[str, float]:
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {key: after[key] - before.get(key, 0.0) for key in after}
-
-
-def served_acceptance(counts: dict[str, float], k: int) -> dict[str, Any]:
-    """acceptance.summary of `spec_counters` (or their deltas)."""
-    return acceptance.summary(
-        counts["num_drafts"],
-        counts["num_draft_tokens"],
-        counts["num_accepted_tokens"],
-        [counts[f"accepted_pos_{p}"] for p in range(k)],
-    )
 
 
 def read_counters(url: str, k: int) -> dict[str, float]:
@@ -410,6 +401,7 @@ def evaluate(
     prompt_ids: Sequence[str] | None = None,
     start_together: bool = False,
     family: str = "eagle3",
+    sweep: Sequence[int] = (),
 ) -> tuple[dict[str, Any], list[int], lossless.Verdict]:
     """Serve without, then with the drafter; (online section, indices of differing outputs,
     losslessness verdict naming prompts by `prompt_ids`, default their indices).
@@ -417,7 +409,8 @@ def evaluate(
     Measured one after the other, never side by side: two servers busy on the same cores would
     skew the throughputs. `start_together` starts both servers at once (where memory holds two)
     and measures them in turn. `runner` replaces `serve_and_measure` (tests record the servers
-    they start).
+    they start). `sweep`: further draft counts, the drafter served again at each
+    (evaluation.draft_sweep).
     """
     if not conversations:
         raise ValueError("online evaluation needs at least one prompt")
@@ -436,9 +429,16 @@ def evaluate(
             f"vLLM was started with the drafter but its /metrics has no {SPEC_PREFIX}* "
             f"counters: speculative decoding is off; see {eagle_spec.log_file}"
         )
+    runs = {k: spec}
+    for n in (n for n in sweep if n not in runs):
+        _, at_n = server_specs(base, drafter, n, log_dir, family)
+        at_n = replace(at_n, log_file=log_dir / f"vllm-{family}-k{n}.log")
+        sweep_settings = replace(settings, num_speculative_tokens=n, throughput_concurrency=())
+        runs[n] = (runner or serve_and_measure)(at_n, conversations, sweep_settings)
     names = list(prompt_ids) if prompt_ids is not None else [str(i) for i in range(len(spec.texts))]
+    section = online_section(baseline, spec, k, settings.concurrency)
     return (
-        online_section(baseline, spec, k, settings.concurrency),
+        section | draft_sweep.section(baseline, runs),
         mismatched_prompts(baseline, spec),
         verdict(names, baseline, spec, settings),
     )

@@ -40,10 +40,32 @@ def dflash_matches(
     anchors_per_pass: int = ANCHORS_PER_PASS,
 ) -> torch.Tensor:
     """bool [L - 1, num_steps] (CPU): slot k + 1 of the block anchored at i + 1 equals the
-    verifier's greedy token at i + 2 + k (False past the end)."""
+    verifier's greedy token at i + 2 + k (False past the end).
+
+    The block is the served one: vLLM queries the anchor and `num_steps` mask slots, which
+    attend to each other (non-causal), so fewer drafts than trained is a shorter block, not the
+    trained block's first slots."""
+    trained = int(drafter.block_size)
+    if num_steps > trained - 1:
+        raise ValueError(f"DFlash block {trained} drafts {trained - 1} tokens, not {num_steps}")
+    drafter.block_size = num_steps + 1  # speculators' anchored pass reads its block size here
+    try:
+        return _dflash_blocks(
+            drafter, hidden_states, token_ids, greedy, num_steps, anchors_per_pass
+        )
+    finally:
+        drafter.block_size = trained
+
+
+def _dflash_blocks(
+    drafter: Any,
+    hidden_states: torch.Tensor,
+    token_ids: torch.Tensor,
+    greedy: torch.Tensor,
+    num_steps: int,
+    anchors_per_pass: int,
+) -> torch.Tensor:
     block = int(drafter.block_size)
-    if num_steps > block - 1:
-        raise ValueError(f"DFlash block {block} drafts {block - 1} tokens, not {num_steps}")
     device = next(drafter.parameters()).device
     dtype = next(drafter.parameters()).dtype
     length = token_ids.shape[0]

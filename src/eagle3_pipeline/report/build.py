@@ -90,13 +90,24 @@ def headline(files: dict[str, sources.RevisionFiles]) -> tuple[list[str], list[l
         online = ev.get("online") or {}
         if "mean_acceptance_length" in online:
             rows.append(_headline_row(rev, "trained", "online (vLLM)", online))
+            rows += _best_row(rev, "trained", online)
         for name, doc in sorted(f.families.items()):
             label = f"{name} ({doc.get('family', '?')})"
             simulated = (doc.get("offline") or {}).get("trained")  # as its family drafts
             if isinstance(simulated, dict):
                 rows.append(_headline_row(rev, label, "offline", simulated))
             rows.append(_headline_row(rev, label, "online (vLLM)", doc.get("online") or {}))
+            rows += _best_row(rev, label, doc.get("online") or {})
     return head, rows
+
+
+def _best_row(rev: str, drafter: str, online: dict[str, Any]) -> list[list[str]]:
+    """The drafter at its best draft count (evaluate.num_speculative_tokens_sweep), if swept."""
+    best = online.get("best_num_speculative_tokens")
+    row = (online.get("by_num_speculative_tokens") or {}).get(str(best))
+    if not isinstance(row, dict):
+        return []
+    return [_headline_row(rev, drafter, f"online (vLLM), best: {best} drafts", row)]
 
 
 def _headline_row(rev: str, drafter: str, mode: str, r: Any) -> list[str]:

@@ -25,7 +25,7 @@ from eagle3_pipeline.drafter import families
 from eagle3_pipeline.drafter import load as drafter
 from eagle3_pipeline.drafter.conventions import run_conventions
 from eagle3_pipeline.errors import DataError, ParamsError, ServerError, StoreError
-from eagle3_pipeline.evaluation import offline, parallel_offline
+from eagle3_pipeline.evaluation import draft_sweep, offline, parallel_offline
 from eagle3_pipeline.evaluation import online as online_eval
 from eagle3_pipeline.evaluation.losslessness import Verdict
 from eagle3_pipeline.params import Params
@@ -74,11 +74,13 @@ def run_family(params: Params, name: str) -> None:
     checkpoint simulated offline as its family drafts, then served by vLLM with and without it on
     the same val prompts and settings as `evaluate`'s online run, vLLM's figure checked against
     the simulation like evaluate's; metrics/families/NAME/eval.json."""
-    family = families.entry(params.families, name)
-    k, most = params.evaluate.num_speculative_tokens, family.drafts_per_pass
+    family, e = families.entry(params.families, name), params.evaluate
+    most = family.drafts_per_pass
+    k = max([e.num_speculative_tokens, *e.num_speculative_tokens_sweep])
     if most is not None and k > most:
+        field = "num_speculative_tokens" + ("" if k == e.num_speculative_tokens else "_sweep")
         raise ParamsError(
-            f"params.yaml: field 'evaluate.num_speculative_tokens': {k} drafts, but "
+            f"params.yaml: field 'evaluate.{field}': {k} drafts, but "
             f"families.{name} ({family.name}) was trained to draft {most} per "
             "pass: lower it or raise the family's num_depths / block_size"
         )
@@ -144,10 +146,7 @@ def simulate_offline(params: Params) -> tuple[dict[str, dict], dict[str, Any]]:
         - simulated["untrained"]["mean_acceptance_length"],
     }
     if sim.same is not None:
-        result["offline_same_prompts"] = sim.same.summary() | {
-            "num_prompts": sim.num_same,
-            "max_new_tokens": e.max_new_tokens,
-        }
+        result["offline_same_prompts"] = draft_sweep.same_prompts(sim, params.evaluate)
     if "init" in simulated:
         result["init_from"] = params.train.init_from
         result["offline_gain_over_init"] = (
@@ -208,6 +207,7 @@ def _simulate(
         max_positions=e.max_new_tokens,
         on_sample=progress.advance,
         matches=matches,
+        sweep=e.num_speculative_tokens_sweep,
     )
     models.clear()
     del head
@@ -259,10 +259,7 @@ def simulate_family(params: Params, name: str, drafter_dir: Path, own: list[int]
         f" over {trained['num_drafts']} drafts on {len(whole)} val samples (layers {own})",
     )
     if sim.same is not None:
-        result["offline_same_prompts"] = sim.same.summary() | {
-            "num_prompts": sim.num_same,
-            "max_new_tokens": params.evaluate.max_new_tokens,
-        }
+        result["offline_same_prompts"] = draft_sweep.same_prompts(sim, params.evaluate)
     return result
 
 
@@ -331,6 +328,7 @@ def run_online(
         prompt_ids=[r["id"] for r in rows],
         start_together=e.start_servers_together,
         family=family,
+        sweep=e.num_speculative_tokens_sweep,
     )
     if aux_layer_ids is not None:
         section["served_aux_layer_ids"] = served_with.check_aux_layers(
@@ -411,6 +409,16 @@ def online_verdict(
             f"vLLM at concurrency {c}: {row['tokens_per_s']:.1f} vs "
             f"{row['tokens_per_s_baseline']:.1f} output tokens/s (x{row['speedup']:.2f}), mean "
             f"acceptance length {row['mean_acceptance_length']:.3f}",
+        )
+    section = draft_sweep.with_simulated(section, offline_same, e.num_speculative_tokens)
+    for n, row in section.get("by_num_speculative_tokens", {}).items():
+        walked = row.get("offline_same_prompts_mean_acceptance_length")
+        log(
+            STAGE,
+            f"vLLM at {n} drafts: mean acceptance length {row['mean_acceptance_length']:.3f}"
+            + (f" (simulated {walked:.3f})" if walked is not None else "")
+            + f", x{row['speedup']:.2f}"
+            + (" <- best" if int(n) == section["best_num_speculative_tokens"] else ""),
         )
     if mismatch:
         log(

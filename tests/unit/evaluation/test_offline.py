@@ -220,6 +220,26 @@ def test_simulate_computes_greedy_once_per_sample_for_all_drafters(tmp_path: Pat
     assert sim.same is not None and sim.same.drafts > 0
 
 
+def test_a_sweep_walks_the_served_drafter_at_each_further_count(tmp_path: Path) -> None:
+    """Each count of the sweep: the served drafter's walk simulated as if vLLM drafted that many,
+    the same counts as a simulation at that count alone."""
+    head = _head(tmp_path)
+    mask = torch.tensor([0, 0, 1, 1, 1, 1])
+    sample = {"hidden_states": _hidden_states(), "token_ids": TOKENS, "loss_mask": mask}
+    models = {"trained": ScriptedDrafter(None), "untrained": ScriptedDrafter(None)}
+    sim = offline.simulate(
+        models, head, lambda sid: sample, ["s0"], K, same_ids=["s0"], sweep=[1, K, 2]
+    )
+    assert sorted(sim.same_by_k) == [1, 2]  # the common count is `same` itself
+    for n in (1, 2):
+        alone = offline.simulate(
+            {"trained": ScriptedDrafter(None)}, head, lambda sid: sample, [], n, same_ids=["s0"]
+        )
+        assert alone.same is not None
+        assert sim.same_by_k[n].summary() == alone.same.summary()
+    assert offline.simulate(models, head, lambda sid: sample, ["s0"], K, sweep=[1]).same_by_k == {}
+
+
 # --- the same numbers as before: fp32 on CPU, a real speculators drafter ---------------------
 
 

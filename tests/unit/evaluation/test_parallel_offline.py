@@ -93,3 +93,22 @@ def test_chunks_and_limits(dflash: Any, inputs: dict[str, Any]) -> None:
     assert not whole[-1].any() and not whole[-2, 1:].any()  # nothing past the sequence's end
     with pytest.raises(ValueError, match="DFlash block 4 drafts 3 tokens, not 4"):
         parallel_offline.dflash_matches(dflash, hs, ids, greedy, BLOCK)
+
+
+def test_fewer_drafts_is_a_shorter_block(
+    dflash: Any, inputs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM queries the anchor and as many mask slots as it drafts: the pass runs with that
+    block, and the drafter keeps its trained one afterwards."""
+    hs, ids, _ = _sample(inputs, 0)
+    greedy = offline.VerifierHead(inputs["root"] / "verifier", 1e-6).greedy(hs[:, -1])
+    blocks: list[int] = []
+    forward = dflash._backbone_forward
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        blocks.append(dflash.block_size)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(dflash, "_backbone_forward", spy)
+    two = parallel_offline.dflash_matches(dflash, hs, ids, greedy, 2)
+    assert two.shape == (len(ids) - 1, 2) and set(blocks) == {3} and dflash.block_size == BLOCK

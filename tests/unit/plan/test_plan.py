@@ -85,12 +85,14 @@ def test_kimi_profile_is_a_valid_params_file() -> None:
 
 def test_kimi_families_profile_plans_the_union_store(capsys) -> None:
     """kimi-k2.5-families: z-lab's DFlash layers beside AQ-MedAI's EAGLE-3 ones; the store holds
-    both (8 aux + final) and the plan prices it; only layers and families differ from kimi-k2.5."""
+    both (8 aux + final) and the plan prices it; only layers, families and the draft-count sweep
+    differ from kimi-k2.5."""
     import yaml
 
     families = REPO / "profiles/kimi-k2.5-families.yaml"
     a, b = (yaml.safe_load(p.read_text()) for p in (PROFILE, families))
-    assert {k for k in a if a[k] != b[k]} == {"profile", "layers", "families"}
+    assert {k for k in a if a[k] != b[k]} == {"profile", "layers", "families", "evaluate"}
+    assert b["evaluate"] == a["evaluate"] | {"num_speculative_tokens_sweep": [7]}
     assert b["layers"]["family_aux_layer_ids"]["dflash"] == [2, 13, 25, 36, 48, 59]
     p = plan.make_plan(load_params(families), families, *KIMI_ARGS[1::2])
     assert p.aux_layer_ids == [3, 31, 59]  # train's drafter as in kimi-k2.5

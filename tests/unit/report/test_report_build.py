@@ -132,3 +132,20 @@ def test_a_simulated_branch_gets_its_offline_row(repo: Path) -> None:
     html = build.build([]).read_text()
     cells = re.findall(r"<td>df \(dflash\)</td><td>([^<]*)</td><td>([^<]*)</td>", html)
     assert cells == [("offline", "3.100"), ("online (vLLM)", "3.250")]
+
+
+def test_a_swept_drafter_gets_its_best_count_row(repo: Path) -> None:
+    """With evaluate.num_speculative_tokens_sweep, each drafter's row at its best count (the most
+    tokens/s) follows its row at the common count: every family at its best."""
+    branch = repo / "metrics/families/df"
+    branch.mkdir(parents=True)
+    by = {
+        "3": {"mean_acceptance_length": 3.25, "acceptance_rate": 0.75, "speedup": 1.4},
+        "7": {"mean_acceptance_length": 4.5, "acceptance_rate": 0.5, "speedup": 1.9},
+    }
+    online = by["3"] | {"by_num_speculative_tokens": by, "best_num_speculative_tokens": 7}
+    (branch / "eval.json").write_text(json.dumps({"family": "dflash", "online": online}))
+    html = build.build([]).read_text()
+    cells = re.findall(r"<td>df \(dflash\)</td><td>([^<]*)</td><td>([^<]*)</td>", html)
+    assert cells == [("online (vLLM)", "3.250"), ("online (vLLM), best: 7 drafts", "4.500")]
+    assert "1.90" in html

@@ -177,6 +177,28 @@ def test_alarm_compares_with_the_same_prompts_figure(capsys: pytest.CaptureFixtu
     assert out["mismatch"] is False  # 2% short
 
 
+def test_each_swept_count_is_logged_beside_its_simulated_walk(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    same = {
+        "mean_acceptance_length": 2.5,
+        "num_drafts": 100,
+        "by_num_speculative_tokens": {"2": 2.1},
+    }
+    rows = {"2": _section(2.1) | {"speedup": 2.4}, "3": _section(2.5)}
+    section = _section(2.5) | {"by_num_speculative_tokens": rows, "best_num_speculative_tokens": 2}
+    out = evaluate.online_verdict(section, 3.2, [], _params(), offline_same=same)
+    key = "offline_same_prompts_mean_acceptance_length"
+    by = out["online"]["by_num_speculative_tokens"]
+    assert by["2"][key] == 2.1 and by["3"][key] == 2.5 and out["mismatch"] is False
+    lines = [x for x in capsys.readouterr().out.splitlines() if "drafts:" in x]
+    assert lines == [
+        "[evaluate] vLLM at 2 drafts: mean acceptance length 2.100 (simulated 2.100), x2.40"
+        " <- best",
+        "[evaluate] vLLM at 3 drafts: mean acceptance length 2.500 (simulated 2.500), x2.00",
+    ]
+
+
 def test_alarm_falls_back_to_the_ratio_without_a_same_prompts_figure() -> None:
     params = _params(mismatch_ratio=0.5)
     out = evaluate.online_verdict(_section(2.3), 3.2, [], params)

@@ -106,5 +106,9 @@ def test_family_eval_refuses_more_drafts_than_trained() -> None:
     )
     with pytest.raises(ParamsError, match=r"4 drafts, but families\.d \(dflash\) was trained"):
         run_family(params, "d")
+    swept = params.model_copy(deep=True)
+    swept.evaluate.num_speculative_tokens, swept.evaluate.num_speculative_tokens_sweep = 3, [1, 5]
+    with pytest.raises(ParamsError, match=r"'evaluate\.num_speculative_tokens_sweep': 5 drafts"):
+        run_family(swept, "d")
     with pytest.raises(ParamsError, match="no entry 'x'"):
         run_family(params, "x")
