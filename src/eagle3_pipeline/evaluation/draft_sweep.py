@@ -22,16 +22,10 @@ if TYPE_CHECKING:
 
 def row(baseline: RunResult, run: RunResult, k: int) -> dict[str, Any]:
     """vLLM's acceptance and throughput of the drafter served at `k` drafts."""
-    served = acceptance.served_acceptance(run.counters, k)
-    base = baseline.tokens_per_s
-    return {
-        "mean_acceptance_length": served["mean_acceptance_length"],
-        "acceptance_rate": served["acceptance_rate"],
-        "tokens_per_s": run.tokens_per_s,
-        "speedup": run.tokens_per_s / base if base else 0.0,
-        "greedy_outputs_identical": (run.token_ids, run.texts)
-        == (baseline.token_ids, baseline.texts),
-    }
+    same_outputs = (run.token_ids, run.texts) == (baseline.token_ids, baseline.texts)
+    return acceptance.served_row(
+        run.output_tokens, run.wall_s, baseline.output_tokens, baseline.wall_s, run.counters, k
+    ) | {"greedy_outputs_identical": same_outputs}
 
 
 def section(baseline: RunResult, runs: Mapping[int, RunResult]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import requests
 from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.evaluation import draft_sweep
 from eagle3_pipeline.evaluation import losslessness as lossless
-from eagle3_pipeline.evaluation.acceptance import served_acceptance
+from eagle3_pipeline.evaluation.acceptance import served_acceptance, served_row
 from eagle3_pipeline.serving.chat import (
     ChatClient,
     ChatReply,
@@ -341,21 +341,6 @@ def verdict(
     )
 
 
-def _throughput(
-    tokens: int, wall: float, tokens_base: int, wall_base: float, counters: dict, k: int
-) -> dict[str, Any]:
-    tps = tokens / wall if wall > 0 else 0.0
-    tps_base = tokens_base / wall_base if wall_base > 0 else 0.0
-    served = served_acceptance(counters, k)
-    return {
-        "mean_acceptance_length": served["mean_acceptance_length"],
-        "acceptance_rate": served["acceptance_rate"],
-        "tokens_per_s": tps,
-        "tokens_per_s_baseline": tps_base,
-        "speedup": tps / tps_base if tps_base else 0.0,
-    }
-
-
 def online_section(
     baseline: RunResult, spec: RunResult, k: int, concurrency: int | None = None
 ) -> dict[str, Any]:
@@ -375,7 +360,7 @@ def online_section(
     if more:
         by = {}
         if concurrency is not None:
-            by[str(concurrency)] = _throughput(
+            by[str(concurrency)] = served_row(
                 spec.output_tokens,
                 spec.wall_s,
                 baseline.output_tokens,
@@ -386,7 +371,7 @@ def online_section(
         for c in more:
             tokens, wall, counters = spec.by_concurrency[c]
             tokens_base, wall_base, _ = baseline.by_concurrency[c]
-            by[str(c)] = _throughput(tokens, wall, tokens_base, wall_base, counters, k)
+            by[str(c)] = served_row(tokens, wall, tokens_base, wall_base, counters, k)
         section["by_concurrency"] = by
     return section
 
