@@ -7,18 +7,10 @@ use a default the user never chose).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    PositiveInt,
-    ValidationError,
-    ValidationInfo,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from eagle3_pipeline import paths
 from eagle3_pipeline.drafter.families import Families, FamilyParams
@@ -361,7 +353,7 @@ class EvaluateParams(_Strict):
     throughput_concurrency: list[int] = Field(default_factory=list)
     # Further draft counts at which vLLM serves each drafter again (a server start each), and the
     # simulation walks: eval.json online.by_num_speculative_tokens, best_num_speculative_tokens.
-    num_speculative_tokens_sweep: list[PositiveInt] = Field(default_factory=list)
+    num_speculative_tokens_sweep: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _positive_concurrency(self) -> EvaluateParams:
