@@ -249,15 +249,11 @@ FAMILIES = {
 # DFlash reads its own layers (an early-to-late spread, as DFlash recipes do): the store holds
 # the union with train's [2, 4, 5], and EAGLE-3 reads its three through the view.
 DFLASH_LAYERS = [1, 3, 5, 7]
-# Every drafter is also served at 2 drafts: each family at its best of 2 and 3.
+# No draft-count sweep here: its three more servers ran beside the other tests and cost CI ~9
+# minutes; tests/unit/evaluation/test_draft_sweep.py covers it.
 TINY_RUN = Run(
     "e2e",
-    SMALL
-    | {
-        "families": FAMILIES,
-        "layers": {"family_aux_layer_ids": {"dflash": DFLASH_LAYERS}},
-        "evaluate": SMALL["evaluate"] | {"num_speculative_tokens_sweep": [2]},
-    },
+    SMALL | {"families": FAMILIES, "layers": {"family_aux_layer_ids": {"dflash": DFLASH_LAYERS}}},
 )
 
 
