@@ -143,14 +143,27 @@ def draft_matches(
     starts = torch.arange(s)
     ok = torch.zeros(s, num_steps, dtype=torch.bool)
     for k in range(num_steps):
-        target_pos = starts + 2 + k  # position whose token step k proposes
-        valid = target_pos < length
-        draft_ids = drafts[k][0].cpu()
-        target_ids = draft_ids + d2t[draft_ids] if d2t is not None else draft_ids
-        verifier_tok = torch.full((s,), -1, dtype=torch.long)
-        verifier_tok[valid] = greedy[target_pos[valid] - 1]
-        ok[:, k] = valid & (target_ids == verifier_tok)
+        ok[:, k] = slot_verdicts(drafts[k][0].cpu(), starts, k, d2t, greedy, length)
     return ok
+
+
+def slot_verdicts(
+    drafts: torch.Tensor,
+    rows: torch.Tensor,
+    k: int,
+    d2t: torch.Tensor | None,
+    greedy: torch.Tensor,
+    length: int,
+) -> torch.Tensor:
+    """bool per draft: step k of the draft made at row i (draft-vocab ids, mapped by d2t) equals
+    the verifier's greedy token at position i + 2 + k over the full vocab; False past the end.
+    One rule for every family's simulation (chained here, parallel in parallel_offline)."""
+    target = drafts + d2t[drafts] if d2t is not None else drafts
+    pos = rows + 2 + k
+    valid = pos < length
+    verifier = torch.full_like(pos, -1)
+    verifier[valid] = greedy[pos[valid] - 1]  # greedy[p]: the verifier's token at p + 1
+    return valid & (target == verifier)
 
 
 def accepted_prefix(ok: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

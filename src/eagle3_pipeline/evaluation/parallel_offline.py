@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from eagle3_pipeline.evaluation.offline import slot_verdicts
+
 ANCHORS_PER_PASS = 512  # a chunk of anchors per forward: bounds the dense (sdpa) mask on CPU
 
 
@@ -97,14 +99,9 @@ def _dflash_blocks(
         if not torch.equal(anchors, torch.arange(start, stop)):
             raise RuntimeError(f"DFlash anchored {anchors.tolist()}, not {start}..{stop - 1}")
         drafts = logits[0].argmax(-1).view(-1, block).cpu()
+        rows = anchors - 1  # the block anchored at i + 1 is row i; its slot k + 1 is step k
         for k in range(num_steps):
-            draft = drafts[:, k + 1]
-            target = draft + d2t[draft] if d2t is not None else draft
-            pos = anchors + k + 1  # the position slot k + 1 proposes
-            valid = pos < length
-            verifier = torch.full_like(pos, -1)
-            verifier[valid] = greedy[pos[valid] - 1]  # greedy[p]: the verifier's token at p + 1
-            ok[anchors - 1, k] = valid & (target == verifier)
+            ok[rows, k] = slot_verdicts(drafts[:, k + 1], rows, k, d2t, greedy, length)
     return ok
 
 
@@ -139,13 +136,7 @@ def peagle_matches(
         anchor, depth = anchor.cpu(), depth.cpu()
         for k in range(num_steps):
             pick = (depth == k) & (anchor >= start)
-            rows_k, draft = anchor[pick], drafts[pick]
-            target = draft + d2t[draft] if d2t is not None else draft
-            pos = rows_k + 2 + k  # the position depth k proposes
-            valid = pos < length
-            verifier = torch.full_like(pos, -1)
-            verifier[valid] = greedy[pos[valid] - 1]  # greedy[p]: the verifier's token at p + 1
-            ok[rows_k, k] = valid & (target == verifier)
+            ok[anchor[pick], k] = slot_verdicts(drafts[pick], anchor[pick], k, d2t, greedy, length)
     return ok
 
 
