@@ -26,10 +26,10 @@ from safetensors.torch import load_file, save_file
 from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.evaluation import offline
 from eagle3_pipeline.evaluation import online as oe
+from eagle3_pipeline.evaluation import verdict as rules
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving.served_with import check_aux_layers
 from eagle3_pipeline.serving.server import ServerSpec, serve_many
-from eagle3_pipeline.stages import evaluate
 from eagle3_pipeline.verifier import tiny as verifier_stage
 
 REPO = Path(__file__).resolve().parents[2]
@@ -209,7 +209,7 @@ def test_flat_drafter_served_beside_mla_verifier_raises_no_alarm(served: dict, c
         served["offline_summary"]["acceptance_per_position"],
     )
     same = served["offline_same"]
-    out = evaluate.online_verdict(right, offline_mal, [], PARAMS, served["right_verdict"], same)
+    out = rules.online_verdict(right, offline_mal, [], PARAMS, served["right_verdict"], same)
     assert out["mismatch"] is False and out["lossless"]["verdict"] != "diverged"
     # Like for like, the walk through the served answers: they stop at max_tokens, where vLLM
     # still verifies the last drafts (counted as rejected here), so vLLM may be the higher, by at
@@ -235,7 +235,7 @@ def test_shifted_aux_ids_fire_the_mismatch_alarm(served: dict, capsys) -> None:
     assert shifted["num_drafts"] > 0
     assert shifted["mean_acceptance_length"] < 1 + 0.5 * (offline_mal - 1), shifted
     same = served["offline_same"]
-    out = evaluate.online_verdict(shifted, offline_mal, [], PARAMS, served["shifted_verdict"], same)
+    out = rules.online_verdict(shifted, offline_mal, [], PARAMS, served["shifted_verdict"], same)
     assert (
         out["mismatch"] is True and out["mismatch_rule"]["compared_with"] == "offline_same_prompts"
     )

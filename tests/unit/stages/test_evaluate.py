@@ -13,6 +13,7 @@ from online_runs import fake_run, write_val_prompts
 
 from eagle3_pipeline.errors import DataError, ServerError
 from eagle3_pipeline.evaluation import online as oe
+from eagle3_pipeline.evaluation import verdict as rules
 from eagle3_pipeline.evaluation.losslessness import TokenLogprobs
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving.server import ServerSpec
@@ -20,9 +21,9 @@ from eagle3_pipeline.stages import evaluate
 
 
 def test_mismatch_rule() -> None:
-    assert evaluate.is_mismatch(online_mal=1.2, offline_mal=3.0, ratio=0.5)
-    assert not evaluate.is_mismatch(online_mal=2.2, offline_mal=3.0, ratio=0.5)
-    assert not evaluate.is_mismatch(online_mal=1.0, offline_mal=1.0, ratio=0.5)
+    assert rules.is_mismatch(online_mal=1.2, offline_mal=3.0, ratio=0.5)
+    assert not rules.is_mismatch(online_mal=2.2, offline_mal=3.0, ratio=0.5)
+    assert not rules.is_mismatch(online_mal=1.0, offline_mal=1.0, ratio=0.5)
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def test_stage_online_section_and_mismatch_line(
     monkeypatch.setattr(oe, "serve_and_measure", fake)
     params = _params(mismatch_ratio=0.5)
     section, mismatched, verdict = evaluate.run_online(params)
-    out = evaluate.online_verdict(section, 3.0, mismatched, params, verdict)
+    out = rules.online_verdict(section, 3.0, mismatched, params, verdict)
 
     assert [s.speculative_config for s, _, _ in seen] == [
         None,
@@ -89,14 +90,14 @@ def test_stage_reports_differing_greedy_outputs(
     monkeypatch.setattr(oe, "serve_and_measure", fake)
     params = _params()
     section, mismatched, verdict = evaluate.run_online(params)
-    out = evaluate.online_verdict(section, 2.0, mismatched, params, verdict)
+    out = rules.online_verdict(section, 2.0, mismatched, params, verdict)
     assert mismatched == ["p1"]
     assert out["greedy_outputs_identical"] is False
     assert out["online"]["greedy_mismatched_ids"] == ["p1"]
     assert out["mismatch"] is False
     assert out["lossless"]["verdict"] == "diverged"
     with pytest.raises(ServerError, match=r"where the baseline was sure, on 1 of 3 .*prompt p1 at"):
-        evaluate.require_lossless(verdict)
+        rules.require_lossless(verdict)
 
 
 def test_stage_passes_near_ties_and_records_them(
@@ -117,8 +118,8 @@ def test_stage_passes_near_ties_and_records_them(
     monkeypatch.setattr(oe, "serve_and_measure", fake)
     params = _params()
     section, mismatched, verdict = evaluate.run_online(params)
-    out = evaluate.online_verdict(section, 2.0, mismatched, params, verdict)
-    evaluate.require_lossless(verdict)  # passes
+    out = rules.online_verdict(section, 2.0, mismatched, params, verdict)
+    rules.require_lossless(verdict)  # passes
     assert out["greedy_outputs_identical"] is False and mismatched == ["p1"]
     lossless = out["lossless"]
     assert (lossless["verdict"], lossless["num_near_ties"], lossless["num_identical"]) == (
@@ -143,11 +144,11 @@ def test_stage_without_val_prompts_is_one_line_error(
 
 
 def test_relative_rule_is_a_shortfall_in_accepted_tokens_per_draft() -> None:
-    assert evaluate.relative_gap(2.8, 3.0) == pytest.approx(-0.1)
-    assert evaluate.is_short(2.7, 3.0, 0.1)  # 1.7 vs 2.0 accepted per draft: 15% short
-    assert not evaluate.is_short(2.96, 3.0, 0.1)  # 2% short: a right drafter
-    assert not evaluate.is_short(3.6, 3.0, 0.1)  # more than simulated: no cause named fits
-    assert evaluate.relative_gap(1.2, 1.0) is None and not evaluate.is_short(1.0, 1.0, 0.1)
+    assert rules.relative_gap(2.8, 3.0) == pytest.approx(-0.1)
+    assert rules.is_short(2.7, 3.0, 0.1)  # 1.7 vs 2.0 accepted per draft: 15% short
+    assert not rules.is_short(2.96, 3.0, 0.1)  # 2% short: a right drafter
+    assert not rules.is_short(3.6, 3.0, 0.1)  # more than simulated: no cause named fits
+    assert rules.relative_gap(1.2, 1.0) is None and not rules.is_short(1.0, 1.0, 0.1)
 
 
 def _section(mal: float) -> dict[str, Any]:
@@ -165,7 +166,7 @@ def test_alarm_compares_with_the_same_prompts_figure(capsys: pytest.CaptureFixtu
     params = _params()
     same = {"mean_acceptance_length": 2.5, "num_drafts": 100}
     # whole val says 3.2 (the coarse rule is quiet: 1.3 >= 0.5 x 2.2); same prompts say 2.5
-    out = evaluate.online_verdict(_section(2.3), 3.2, [], params, offline_same=same)
+    out = rules.online_verdict(_section(2.3), 3.2, [], params, offline_same=same)
     assert out["mismatch"] is True  # 1.3 vs 1.5 accepted per draft: 13% short
     rule = out["mismatch_rule"]
     assert rule["compared_with"] == "offline_same_prompts"
@@ -173,7 +174,7 @@ def test_alarm_compares_with_the_same_prompts_figure(capsys: pytest.CaptureFixtu
     assert rule["mismatch_tolerance"] == params.evaluate.mismatch_tolerance == 0.1
     lines = [x for x in capsys.readouterr().out.splitlines() if "MISMATCH" in x]
     assert len(lines) == 1 and "evaluate.mismatch_tolerance=0.1" in lines[0]
-    out = evaluate.online_verdict(_section(2.47), 3.2, [], params, offline_same=same)
+    out = rules.online_verdict(_section(2.47), 3.2, [], params, offline_same=same)
     assert out["mismatch"] is False  # 2% short
 
 
@@ -187,7 +188,7 @@ def test_each_swept_count_is_logged_beside_its_simulated_walk(
     }
     rows = {"2": _section(2.1) | {"speedup": 2.4}, "3": _section(2.5)}
     section = _section(2.5) | {"by_num_speculative_tokens": rows, "best_num_speculative_tokens": 2}
-    out = evaluate.online_verdict(section, 3.2, [], _params(), offline_same=same)
+    out = rules.online_verdict(section, 3.2, [], _params(), offline_same=same)
     key = "offline_same_prompts_mean_acceptance_length"
     by = out["online"]["by_num_speculative_tokens"]
     assert by["2"][key] == 2.1 and by["3"][key] == 2.5 and out["mismatch"] is False
@@ -201,10 +202,10 @@ def test_each_swept_count_is_logged_beside_its_simulated_walk(
 
 def test_alarm_falls_back_to_the_ratio_without_a_same_prompts_figure() -> None:
     params = _params(mismatch_ratio=0.5)
-    out = evaluate.online_verdict(_section(2.3), 3.2, [], params)
+    out = rules.online_verdict(_section(2.3), 3.2, [], params)
     assert out["mismatch"] is False and out["mismatch_rule"]["compared_with"] == "offline"
     empty = {"mean_acceptance_length": 1.0, "num_drafts": 0}  # no online prompt in the store
-    out = evaluate.online_verdict(_section(1.2), 3.2, [], params, offline_same=empty)
+    out = rules.online_verdict(_section(1.2), 3.2, [], params, offline_same=empty)
     assert out["mismatch"] is True and out["mismatch_rule"]["mismatch_ratio"] == 0.5
 
 
@@ -260,14 +261,13 @@ class CopyDrafter:
         ]
 
 
-def test_offline_cap_is_honoured_and_reported(
-    stage_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _fake_store(monkeypatch: pytest.MonkeyPatch, n: int) -> tuple[list[str], dict[str, int]]:
+    """A store of `n` val samples (and one train) whose hidden states say the next token, a
+    verifier head that reads it, and CopyDrafters; (files read, head calls)."""
     import torch
 
     from eagle3_pipeline.evaluation import offline
 
-    n = 6
     manifest = {"samples": {f"p{i}": {"split": "val", "file": f"p{i}"} for i in range(n)}}
     manifest["samples"]["t0"] = {"split": "train", "file": "t0"}
     ids = torch.arange(12)
@@ -299,6 +299,14 @@ def test_offline_cap_is_honoured_and_reported(
     monkeypatch.setattr(evaluate.drafter, "load_drafter", lambda *a: CopyDrafter())
     monkeypatch.setattr(evaluate.drafter, "fresh_drafter_like", lambda *a: CopyDrafter())
     monkeypatch.setattr(offline, "VerifierHead", Head)
+    return reads, calls
+
+
+def test_offline_cap_is_honoured_and_reported(
+    stage_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n = 6
+    reads, calls = _fake_store(monkeypatch, n)
     params = _params(max_offline_samples=2, max_eval_prompts=3, max_new_tokens=4)
     simulated, result = evaluate.simulate_offline(params)
     assert result["offline_run"] == {
@@ -316,6 +324,48 @@ def test_offline_cap_is_honoured_and_reported(
     assert same["num_prompts"] == 3 and same["max_new_tokens"] == 4
     # answer 4..7 (max_new_tokens 4): one draft from start 3, positions 5, 6, 7 all accepted
     assert same["num_drafts"] == 3 and same["mean_acceptance_length"] == 4.0
+
+
+def test_every_branch_is_simulated_with_its_family_s_drafter_and_walk(
+    stage_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An EAGLE-3 branch is simulated as `evaluate`'s own drafter is (same loader, same chained
+    walk, same figures for the same weights), from its own checkpoint; a parallel family's
+    branch through its own loader and one-pass walk."""
+    from eagle3_pipeline.evaluation import offline, parallel_offline
+
+    reads, _ = _fake_store(monkeypatch, 4)
+    params = Params.model_validate(
+        {
+            "evaluate": {"online": True, "max_eval_prompts": 3, "max_new_tokens": 4},
+            "families": {"e": {"name": "eagle3"}, "d": {"name": "dflash", "block_size": 4}},
+        }
+    )
+    simulated, result = evaluate.simulate_offline(params)
+    loaded: list[tuple[str, str | None]] = []
+
+    def load(path: Path, *a: Any, family: str | None = None) -> CopyDrafter:
+        loaded.append((str(path), family))
+        return CopyDrafter()
+
+    walked: list[int] = []
+
+    def one_pass(model: Any, hs: Any, ids: Any, greedy: Any, num_steps: int) -> Any:
+        walked.append(num_steps)
+        return offline.draft_matches(model, hs, ids, greedy, num_steps)
+
+    monkeypatch.setattr(evaluate.drafter, "load_drafter", load)
+    monkeypatch.setattr(evaluate.drafter, "load_parallel_drafter", load)
+    monkeypatch.setitem(parallel_offline.MATCHES, "dflash", one_pass)
+    reads.clear()
+    branch = evaluate.simulate_family(params, "e", Path("models/families/e/best"), [2, 4, 5])
+    assert loaded == [("models/families/e/best", None)] and not walked
+    assert branch["offline"] == {"trained": simulated["trained"]}
+    assert branch["offline_same_prompts"] == result["offline_same_prompts"]
+    assert reads == ["p0", "p1", "p2", "p3"]
+    branch = evaluate.simulate_family(params, "d", Path("models/families/d/best"), [1, 3, 7])
+    assert loaded[1:] == [("models/families/d/best", "dflash")] and walked
+    assert branch["offline"]["trained"] == simulated["trained"]  # same copying drafter
 
 
 @pytest.mark.parametrize(("served_drafts", "mismatch"), [(8, False), (2, True)])
