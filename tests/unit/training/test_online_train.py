@@ -251,3 +251,35 @@ def test_two_processes_share_the_rows_online(tmp_path: Path, tiny_verifier_dir: 
     assert set(asked) == train_ids  # every train row asked, by one rank or the other
     assert len(asked) <= TRAIN["epochs"] * (len(train_ids) + 2), len(asked)
     assert (root / "models/trained/final/model.safetensors").is_file()
+
+
+def test_a_family_branch_trains_online_as_from_the_store(
+    tmp_path: Path, tiny_verifier_dir: Path
+) -> None:
+    """`family@NAME` (here DFlash, one pass per draft) runs train's online path too: the branch
+    asks the server for every train row and ends with the weights its store run trains."""
+    branch = {"d": {"name": "dflash", "block_size": 3, "num_layers": 1, "mask_token_id": 1}}
+    roots = []
+    for name in ("store", "online"):
+        root = build_workspace(tmp_path / name, tiny_verifier_dir, n_train=8, n_val=2, train=TRAIN)
+        params = yaml.safe_load((root / "params.yaml").read_text())
+        (root / "params.yaml").write_text(yaml.safe_dump(params | {"families": branch}))
+        roots.append(root)
+    command = [*stage_command(), "--family", "d"]
+    store_root, online_root = roots
+    proc = subprocess.run(command, cwd=store_root, env=stage_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    served = ReplayServer(_states(online_root), online_root / "served", str(tiny_verifier_dir))
+    with served as server:
+        _go_online(online_root, server.url)
+        proc = subprocess.run(
+            command, cwd=online_root, env=stage_env(), capture_output=True, text=True
+        )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert server.requests == 1 + TRAIN["epochs"] * 8, proc.stdout[-3000:]
+    assert "drafter dflash" in proc.stdout + proc.stderr
+    final = Path("models/families/d/final/model.safetensors")
+    a, b = load_file(str(store_root / final)), load_file(str(online_root / final))
+    assert a.keys() == b.keys() and any("mask" in k or "layers" in k for k in a)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
