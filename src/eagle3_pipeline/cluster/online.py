@@ -328,8 +328,8 @@ def inference_pool(params: Params, layer_ids: list[int], work: Path) -> Iterator
         key = auth.run_key()  # one per run, shared by its servers
         serving = inference
         if master and len(inference) > 1:
-            # A second server's Mooncake client was expired by the master (no heartbeat) and
-            # puts to it hung, on a namespaced local cluster: one server until understood.
+            # With two, one server's first put hangs in PutEnd and the master expires its
+            # client (no heartbeat) on a namespaced local cluster: one until understood.
             serving = inference[:1]
             log(STAGE, "cluster: backend mooncake: vLLM on the first inference node only")
         starts = []
