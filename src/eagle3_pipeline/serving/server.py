@@ -368,6 +368,12 @@ def _run_vllm(module: str, args: list[str]) -> None:
     block-size pairing of `cpu_patches` (which also reaches the spawned workers)."""
     from eagle3_pipeline.serving import cpu_patches
 
+    if cpu_patches.on_cpu_platform():
+        # vLLM's CPU platform runs a server as three processes started one after another (API
+        # server, engine core, and the worker of the mp executor it forces), each importing
+        # torch and vLLM; with the engine in this process the server is ready ~12 s sooner
+        # (28 s instead of 40 on 2 cores). A value the user set wins.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     patch_cpu_kernel_rebind()
     args = cpu_patches.server_args_with_patches(args)
     sys.argv = [module, *args]

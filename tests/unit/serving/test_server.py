@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 
+import pytest
 from server_procs import TAG_VAR, tagged_pids, wait_none_tagged
 
 from eagle3_pipeline.serving.server import watched
@@ -75,3 +76,30 @@ def test_kernel_rebind_scan_skips_objects_whose_lookup_raises() -> None:
     assert dispatcher.hasattr(Raises(), "__dict__") is False
     assert dict(dispatcher.vars(Raises())) == {}
     assert dispatcher.hasattr(odd, "__dict__") is True
+
+
+@pytest.mark.parametrize(
+    ("on_cpu", "preset", "expected"),
+    [(True, None, "0"), (True, "1", "1"), (False, None, None)],
+)
+def test_a_cpu_server_runs_its_engine_in_one_process_unless_the_user_says(
+    monkeypatch: pytest.MonkeyPatch, on_cpu: bool, preset: str | None, expected: str | None
+) -> None:
+    """On CPU the server's engine runs without vLLM's worker process (one import less at every
+    start); a value the user set, and any accelerator platform, are left as they are."""
+    from eagle3_pipeline.serving import cpu_patches
+    from eagle3_pipeline.serving import server as srv
+
+    var = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    monkeypatch.setenv(var, preset or "")  # restored (or removed) after the test either way
+    if preset is None:
+        monkeypatch.delenv(var)
+    ran: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(cpu_patches, "on_cpu_platform", lambda: on_cpu)
+    monkeypatch.setattr(srv, "patch_cpu_kernel_rebind", lambda: None)
+    monkeypatch.setattr(cpu_patches, "server_args_with_patches", lambda args: args)
+    monkeypatch.setattr(srv.runpy, "run_module", lambda m, **kw: ran.append((m, sys.argv[1:])))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    srv._run_vllm("vllm.entrypoints.openai.api_server", ["--model", "m"])
+    assert ran == [("vllm.entrypoints.openai.api_server", ["--model", "m"])]
+    assert os.environ.get(var) == expected
