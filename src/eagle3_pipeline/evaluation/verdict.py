@@ -15,7 +15,6 @@ from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
 
 STAGE = "evaluate"
-LOGS = paths.SCRATCH / "evaluate"
 MISMATCH_CAUSES = (
     "aux/final layer ids, vocab mapping d2t/t2d, norm_before_fc/norm_output flags, or a "
     "different verifier"
@@ -133,8 +132,9 @@ def online_verdict(
     return out
 
 
-def require_lossless(verdict: Verdict, logs: Path = LOGS) -> None:
-    """The run's error when greedy outputs diverged where the baseline was sure."""
+def require_lossless(verdict: Verdict, logs: Path) -> None:
+    """The run's error when greedy outputs diverged where the baseline was sure; it names the
+    folder of the servers' logs."""
     if verdict.passed:
         return
     first = verdict.diverged[0]

@@ -63,7 +63,7 @@ def run(params: Params) -> None:
     atomic.write_json(METRICS, result)
     log(STAGE, f"-> {METRICS}")
     if verdict is not None:
-        require_lossless(verdict)
+        require_lossless(verdict, WORK_DIR)
 
 
 def run_family(params: Params, name: str) -> None:

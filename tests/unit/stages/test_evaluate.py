@@ -97,7 +97,7 @@ def test_stage_reports_differing_greedy_outputs(
     assert out["mismatch"] is False
     assert out["lossless"]["verdict"] == "diverged"
     with pytest.raises(ServerError, match=r"where the baseline was sure, on 1 of 3 .*prompt p1 at"):
-        rules.require_lossless(verdict)
+        rules.require_lossless(verdict, Path("logs"))
 
 
 def test_stage_passes_near_ties_and_records_them(
@@ -119,7 +119,7 @@ def test_stage_passes_near_ties_and_records_them(
     params = _params()
     section, mismatched, verdict = evaluate.run_online(params)
     out = rules.online_verdict(section, 2.0, mismatched, params, verdict)
-    rules.require_lossless(verdict)  # passes
+    rules.require_lossless(verdict, Path("logs"))  # passes
     assert out["greedy_outputs_identical"] is False and mismatched == ["p1"]
     lossless = out["lossless"]
     assert (lossless["verdict"], lossless["num_near_ties"], lossless["num_identical"]) == (
