@@ -365,14 +365,15 @@ def answered(url: str, api_key: str | None = None) -> int:
 def _run_vllm(module: str, args: list[str]) -> None:
     """vLLM's entry point `module` with `args`, after the CPU patches: the kernel rebind (the
     scan runs in this process) and, only for an MLA verifier with a drafter on CPU, the
-    block-size pairing of `cpu_patches` (which also reaches the spawned workers)."""
+    block-size pairing of `cpu_patches` (which also reaches the engine's worker). On CPU the
+    worker runs inside the engine core process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set)."""
     from eagle3_pipeline.serving import cpu_patches
 
     if cpu_patches.on_cpu_platform():
-        # vLLM's CPU platform runs a server as three processes started one after another (API
-        # server, engine core, and the worker of the mp executor it forces), each importing
-        # torch and vLLM; with the engine in this process the server is ready ~12 s sooner
-        # (28 s instead of 40 on 2 cores). A value the user set wins.
+        # With multiprocessing on, vLLM's CPU platform forces the mp executor: the API server,
+        # the engine core and its worker start one after another, each importing torch and
+        # vLLM. Off, it keeps the uni executor (the worker inside the engine core, still a
+        # process of its own): ready in 28 s instead of 40 on 2 cores. A value the user set wins.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     patch_cpu_kernel_rebind()
     args = cpu_patches.server_args_with_patches(args)
