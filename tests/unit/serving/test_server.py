@@ -82,11 +82,12 @@ def test_kernel_rebind_scan_skips_objects_whose_lookup_raises() -> None:
     ("on_cpu", "preset", "expected"),
     [(True, None, "0"), (True, "1", "1"), (False, None, None)],
 )
-def test_a_cpu_server_runs_its_engine_in_one_process_unless_the_user_says(
+def test_a_cpu_server_runs_its_worker_in_the_engine_process_unless_the_user_says(
     monkeypatch: pytest.MonkeyPatch, on_cpu: bool, preset: str | None, expected: str | None
 ) -> None:
-    """On CPU the server's engine runs without vLLM's worker process (one import less at every
-    start); a value the user set, and any accelerator platform, are left as they are."""
+    """On CPU the server's worker runs inside its engine core process (one process and one
+    import less at every start); a value the user set, and any accelerator platform, are left
+    as they are."""
     from eagle3_pipeline.serving import cpu_patches
     from eagle3_pipeline.serving import server as srv
 
