@@ -3,9 +3,11 @@
 address fails here. Every row of the tiny workspace is online (no stored row, so the synthetic
 store's random hidden states are never compared with the real verifier's).
 
-- Mooncake, `cluster.nodes: 2, train_nodes: 1`: node 0 is the inference pool (vLLM with
-  extract_hidden_states and the Mooncake master, both started through Ray on it), node 1 the
-  training pool (one torchrun agent). The stage ends green and its provenance names the node
+Both tests share one 3-node cluster (the Mooncake test first: the other one loses a node).
+
+- Mooncake, `cluster.nodes: 2, train_nodes: 1`: the head is the inference pool (vLLM with
+  extract_hidden_states and the Mooncake master, both started through Ray on it), another node
+  the training pool (one torchrun agent). The stage ends green and its provenance names the node
   that served vLLM and the node that trained.
 - Files, `cluster.nodes: 3, train_nodes: 1`: the head and one more node are the inference pool
   (one vLLM on each), the third node trains (one agent, 2 ranks: each rank asks its own
@@ -20,9 +22,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +35,7 @@ from ray_cluster import NETNS, free_port, kill_session, local_cluster
 from server_procs import server_key, server_pids
 from train_workspace import build_workspace, checkpoints, stage_command, stage_env
 
+from eagle3_pipeline.cluster.local import STATE
 from eagle3_pipeline.serving.server import answered
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.training import checkpoints as ck
@@ -78,26 +83,39 @@ def _kill_node_of(server_pid: int, state: dict) -> None:
     kill_session(sid)
 
 
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, Path]]:
+    """3 nodes, each with its own address (as root); (its state record, its state file)."""
+    home = tmp_path_factory.mktemp("cluster")
+    with local_cluster(home, nodes=3, ports=(6440, 6480), netns=True) as state:
+        assert len(state["nodes"]) == 3, state
+        yield state, home / STATE
+
+
+def _join(root: Path, state_file: Path) -> None:
+    """The workspace's stages find the shared cluster as they find one it started itself."""
+    (root / STATE).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(state_file, root / STATE)
+
+
 def test_vllm_on_the_inference_node_trainer_on_the_training_node(
-    tiny_verifier_dir: Path, tmp_path: Path
+    tiny_verifier_dir: Path, tmp_path: Path, cluster: tuple[dict, Path]
 ) -> None:
     root = build_workspace(
         tmp_path / "ws", tiny_verifier_dir, n_train=6, n_val=2, train={"epochs": 1}
     )
     _all_online(root, free_port(29520, 29530), "mooncake", 2)
+    _join(root, cluster[1])
     t0 = time.monotonic()
-    with local_cluster(root, nodes=2, ports=(6440, 6460), netns=True) as state:
-        assert len(state["nodes"]) == 2, state
-        t1 = time.monotonic()
-        proc = subprocess.run(
-            stage_command(),
-            cwd=root,
-            env=stage_env() | {"OMP_WAIT_POLICY": "PASSIVE"},
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        train_s = time.monotonic() - t1
+    proc = subprocess.run(
+        stage_command(),
+        cwd=root,
+        env=stage_env() | {"OMP_WAIT_POLICY": "PASSIVE"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    train_s = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"train failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-6000:]}"
     assert (checkpoints(root) / "0" / "model.safetensors").is_file()
@@ -113,11 +131,11 @@ def test_vllm_on_the_inference_node_trainer_on_the_training_node(
         assert served_on.split("/")[0] != record["nodes"][0].split("/")[0], record
     assert online["backend"] == "mooncake"
     assert "cluster: mooncake_master on" in out, out[-4000:]
-    print(f"2-node online train (mooncake) {train_s:.1f} s, {time.monotonic() - t0:.1f} s in all")
+    print(f"2-node online train (mooncake) {train_s:.1f} s")
 
 
 def test_two_servers_one_per_rank_and_a_lost_inference_node_is_survived(
-    tiny_verifier_dir: Path, tmp_path: Path
+    tiny_verifier_dir: Path, tmp_path: Path, cluster: tuple[dict, Path]
 ) -> None:
     root = build_workspace(
         tmp_path / "ws", tiny_verifier_dir, n_train=6, n_val=2, train={"epochs": 2, "nproc": 2}
@@ -125,37 +143,36 @@ def test_two_servers_one_per_rank_and_a_lost_inference_node_is_survived(
     _all_online(root, free_port(29530, 29540), "file", 3)
     marker = checkpoints(root) / "0" / ck.COMPLETE_MARKER
     log = root / "online-run.log"
+    state = cluster[0]
+    _join(root, cluster[1])
     t0 = time.monotonic()
-    with local_cluster(root, nodes=3, ports=(6460, 6480), netns=True) as state:
-        assert len(state["nodes"]) == 3, state
-        t1 = time.monotonic()
-        with open(log, "w") as fh:
-            proc = subprocess.Popen(
-                stage_command(), cwd=root, env=stage_env() | {"OMP_WAIT_POLICY": "PASSIVE"},
-                stdout=fh, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        try:
-            deadline = time.monotonic() + 600
-            urls: list[str] = []
-            while len(urls) < 2 and proc.poll() is None and time.monotonic() < deadline:
-                urls = READY.findall(log.read_text())
-                time.sleep(0.2)
-            assert len(urls) == 2, log.read_text()[-6000:]
-            pids = server_pids(int(urls[1].rsplit(":", 1)[1]))
-            assert pids, urls[1]
-            pid, key = pids[0], server_key(pids[0])
-            while proc.poll() is None and time.monotonic() < deadline:
-                if marker.is_file() and answered(urls[1], key) >= 1:  # rank 1's rows
-                    break
-                time.sleep(0.02)
-            assert marker.is_file(), log.read_text()[-6000:]
-            _kill_node_of(pid, state)
-            assert proc.wait(timeout=900) == 0, log.read_text()[-8000:]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        train_s = time.monotonic() - t1
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            stage_command(), cwd=root, env=stage_env() | {"OMP_WAIT_POLICY": "PASSIVE"},
+            stdout=fh, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        urls: list[str] = []
+        while len(urls) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            urls = READY.findall(log.read_text())
+            time.sleep(0.2)
+        assert len(urls) == 2, log.read_text()[-6000:]
+        pids = server_pids(int(urls[1].rsplit(":", 1)[1]))
+        assert pids, urls[1]
+        pid, key = pids[0], server_key(pids[0])
+        while proc.poll() is None and time.monotonic() < deadline:
+            if marker.is_file() and answered(urls[1], key) >= 1:  # rank 1's rows
+                break
+            time.sleep(0.02)
+        assert marker.is_file(), log.read_text()[-6000:]
+        _kill_node_of(pid, state)
+        assert proc.wait(timeout=900) == 0, log.read_text()[-8000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    train_s = time.monotonic() - t0
     out = log.read_text()
     assert (checkpoints(root) / "1" / "model.safetensors").is_file()
     assert "lost an inference server" in out and "resumes after epoch 0" in out, out[-6000:]
@@ -175,5 +192,4 @@ def test_two_servers_one_per_rank_and_a_lost_inference_node_is_survived(
     if NETNS:  # a label is `address/node id`: three machines, as far as the network goes
         assert len({n.split("/")[0] for n in [*served_on, *record["nodes"]]}) == 3, record
     assert online["backend"] == "file"
-    total_s = time.monotonic() - t0
-    print(f"3-node online train, a lost server: {train_s:.1f} s, {total_s:.1f} s in all")
+    print(f"3-node online train, a lost server: {train_s:.1f} s")

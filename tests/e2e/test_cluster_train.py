@@ -1,15 +1,15 @@
 """Train across 2 nodes of a real local Ray cluster: one torchrun agent per node (gloo, c10d).
 
 Two runs of `eagle3 train` on one tiny workspace (noise_std > 0, so the RNG state matters): on this
-machine alone with `train.nproc: 2` (the reference), then on a 3-node cluster, 2 nodes x 1 process,
-with the second node lost during epoch 2 (every process of its `ray start` session SIGKILLed, raylet
-and torchrun agent included, as a machine that dies). The driver relaunches on the 2 nodes still
-alive from epoch 1's checkpoint; the run ends with the reference's weights, bit for bit (same world
-size, same global ranks, so the same samples per rank), and its loss curves; the provenance names
-the nodes of each attempt, the rendezvous host and the lost node. Each node but the head has its own
-network namespace and address (as root), so the rendezvous and gloo run between addresses as between
-machines. (Measured once: the same cluster run without the kill also equals the reference bit for
-bit.)
+machine alone with `train.nproc: 2` (the reference, while the cluster starts), then on a 3-node
+cluster, 2 nodes x 1 process, with the second node lost during epoch 2 (every process of its
+`ray start` session SIGKILLed, raylet and torchrun agent included, as a machine that dies). The
+driver relaunches on the 2 nodes still alive from epoch 1's checkpoint; the run ends with the
+reference's weights, bit for bit (same world size, same global ranks, so the same samples per
+rank), and its loss curves; the provenance names the nodes of each attempt, the rendezvous host and
+the lost node. Each node but the head has its own network namespace and address (as root), so the
+rendezvous and gloo run between addresses as between machines. (Measured once: the same cluster
+run without the kill also equals the reference bit for bit.)
 """
 
 from __future__ import annotations
@@ -72,14 +72,6 @@ def _set_params(root: Path, **sections: dict) -> None:
     for key, values in sections.items():
         params[key] = params.get(key, {}) | values
     path.write_text(yaml.safe_dump(params))
-
-
-def _run(root: Path) -> str:
-    proc = subprocess.run(
-        stage_command(), cwd=root, env=_env(), capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, f"train failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"
-    return proc.stdout
 
 
 def _agents(root: Path, host: int) -> list[int]:
@@ -166,19 +158,27 @@ def test_two_nodes_train_like_two_processes_and_survive_a_lost_node(
 ) -> None:
     root = build_workspace(tmp_path / "ws", tiny_verifier_dir, n_train=48, train=TRAIN)
     _set_params(root, train={"nproc": 2})
-    _run(root)
-    reference = _weights(root)
-    _keep(root, tmp_path / "local")
-
-    rdzv_port = _free_port(29500, 29510)
-    _set_params(
-        root,
-        train={"nproc": 1},
-        cluster={"engine": "ray", "nodes": 2, "rdzv_port": rdzv_port, "wait_for_nodes_s": 30},
-    )
+    # The reference run goes on while the cluster starts (Ray's start is mostly waiting).
+    with open(tmp_path / "reference.log", "w") as log:
+        local_run = subprocess.Popen(
+            stage_command(), cwd=root, env=_env(), stdout=log, stderr=subprocess.STDOUT
+        )
     t0 = time.monotonic()
-    with _cluster(root, nodes=3):  # one to spare
+    with contextlib.ExitStack() as stack:
+        stack.callback(lambda: local_run.poll() is None and local_run.kill())
+        stack.enter_context(_cluster(root, nodes=3))  # one node to spare
         up_s = time.monotonic() - t0
+        reference_log = (tmp_path / "reference.log").read_text
+        assert local_run.wait(timeout=900) == 0, f"train failed:\n{reference_log()[-6000:]}"
+        reference = _weights(root)
+        _keep(root, tmp_path / "local")
+
+        rdzv_port = _free_port(29500, 29510)
+        _set_params(
+            root,
+            train={"nproc": 1},
+            cluster={"engine": "ray", "nodes": 2, "rdzv_port": rdzv_port, "wait_for_nodes_s": 30},
+        )
         t1 = time.monotonic()
         out = _run_losing_a_node(root)
         killed_s = time.monotonic() - t1

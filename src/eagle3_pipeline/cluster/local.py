@@ -17,10 +17,12 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from eagle3_pipeline import atomic, paths
 from eagle3_pipeline.cluster import netns as namespaces
@@ -98,6 +100,7 @@ def up(
         except PipelineError:
             down(state)
             raise
+    procs: list[subprocess.Popen] = []
     for i in range(nodes):
         if i == 0:
             cmd = [_ray_bin(), "start", "--head", f"--port={port}", "--include-dashboard=false"]
@@ -110,32 +113,58 @@ def up(
             cmd = namespaces.wrap(layout, i, [*cmd, f"--node-ip-address={layout.address(i)}"])
         log_path = state.parent / f"node-{i}.log"
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                cmd + common, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            procs.append(
+                subprocess.Popen(
+                    cmd + common,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             )
-        record["nodes"].append({"pid": proc.pid, "log": str(log_path)})
+        record["nodes"].append({"pid": procs[-1].pid, "log": str(log_path)})
         atomic.write_json(state, record)  # written at once: `down` finds what was started
-        if not _wait(lambda n=i + 1: _alive_nodes(address, env) >= n, START_TIMEOUT_S, proc):
-            down(state)
-            raise PipelineError(
-                f"local cluster: node {i} did not join within {START_TIMEOUT_S:.0f} s: see "
-                f"{log_path}"
-            )
+        if i == 0 and not _wait(lambda: _listening(address), START_TIMEOUT_S, procs):
+            _fail(state, record, procs, f"the head did not listen at {address}")
+    # The other nodes only need the head's GCS to join: they start together, then one wait.
+    if not _wait(lambda: _alive_nodes(address, env) >= nodes, START_TIMEOUT_S, procs):
+        _fail(state, record, procs, f"not all {nodes} nodes joined")
+    for i in range(nodes):
         where = f"at {layout.address(i)}, " if layout is not None else ""
         role = "head" if i == 0 else f"joined {address}"
         print(f"cluster-local: node {i} up ({where}{role})", flush=True)
     return record
 
 
-def _wait(ready, timeout_s: float, proc: subprocess.Popen) -> bool:
+def _wait(ready, timeout_s: float, procs: list[subprocess.Popen]) -> bool:
+    """Whether `ready()` held within timeout_s, while every node process in `procs` ran."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if any(proc.poll() is not None for proc in procs):
             return False
         if ready():
             return True
-        time.sleep(1.0)
+        time.sleep(0.25)
     return False
+
+
+def _listening(address: str) -> bool:
+    """Whether the head's GCS accepts connections at `host:port` (no Ray import needed)."""
+    host, port = address.rsplit(":", 1)
+    with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=1):
+        return True
+    return False
+
+
+def _fail(state: Path, record: dict, procs: list[subprocess.Popen], what: str) -> NoReturn:
+    """Stop what started, then name the first node that exited (or `what`) and its log."""
+    dead = next((i for i, proc in enumerate(procs) if proc.poll() is not None), None)
+    if dead is None:
+        what, dead = f"{what} in {START_TIMEOUT_S:.0f} s", len(procs) - 1
+    else:
+        what = f"node {dead} exited ({procs[dead].returncode})"
+    down(state)
+    raise PipelineError(f"local cluster: {what}: see {record['nodes'][dead]['log']}")
 
 
 def _session_pids(sid: int) -> list[int]:
