@@ -362,11 +362,31 @@ def answered(url: str, api_key: str | None = None) -> int:
     return int(sum(v for k, v in found.items() if k.startswith("vllm:request_success_total")))
 
 
+def _fork_engine_core() -> None:
+    """Start the engine core by fork, not spawn, on CPU with the uni executor: the core is then
+    this process's only child, and it skips a second import of torch and vLLM (16 of a server's
+    38 s of start-up on 2 cores). vLLM's CPU platform sets spawn for its workers
+    (`CpuPlatform.check_and_update_config`); with the uni executor there is none, and the API
+    server has run no model code (no OpenMP thread team) when it forks. vLLM still spawns where
+    it must (`_maybe_force_spawn`); VLLM_WORKER_MULTIPROC_METHOD set by the user wins."""
+    from vllm.platforms import cpu
+
+    method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    update = cpu.CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:  # noqa: ANN001 - vLLM's signature
+        update(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
 def _run_vllm(module: str, args: list[str]) -> None:
     """vLLM's entry point `module` with `args`, after the CPU patches: the kernel rebind (the
     scan runs in this process) and, only for an MLA verifier with a drafter on CPU, the
     block-size pairing of `cpu_patches` (which also reaches the engine's worker). On CPU the
-    worker runs inside the engine core process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set)."""
+    worker runs inside the engine core process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set),
+    and that process is forked (`_fork_engine_core`)."""
     from eagle3_pipeline.serving import cpu_patches
 
     if cpu_patches.on_cpu_platform():
@@ -375,6 +395,8 @@ def _run_vllm(module: str, args: list[str]) -> None:
         # vLLM. Off, it keeps the uni executor (the worker inside the engine core, still a
         # process of its own): ready in 28 s instead of 40 on 2 cores. A value the user set wins.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
+            _fork_engine_core()
     patch_cpu_kernel_rebind()
     args = cpu_patches.server_args_with_patches(args)
     sys.argv = [module, *args]

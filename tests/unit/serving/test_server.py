@@ -100,7 +100,45 @@ def test_a_cpu_server_runs_its_worker_in_the_engine_process_unless_the_user_says
     monkeypatch.setattr(srv, "patch_cpu_kernel_rebind", lambda: None)
     monkeypatch.setattr(cpu_patches, "server_args_with_patches", lambda args: args)
     monkeypatch.setattr(srv.runpy, "run_module", lambda m, **kw: ran.append((m, sys.argv[1:])))
+    forked: list[bool] = []
+    monkeypatch.setattr(srv, "_fork_engine_core", lambda: forked.append(True))
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     srv._run_vllm("vllm.entrypoints.openai.api_server", ["--model", "m"])
     assert ran == [("vllm.entrypoints.openai.api_server", ["--model", "m"])]
     assert os.environ.get(var) == expected
+    assert forked == ([True] if expected == "0" else [])  # fork needs the uni executor
+
+
+@pytest.mark.parametrize(
+    ("multiprocessing", "preset", "expected"),
+    [("0", None, "fork"), ("0", "spawn", "spawn"), ("1", None, "spawn")],
+)
+def test_a_cpu_server_forks_its_engine_core_only_with_the_uni_executor(
+    monkeypatch: pytest.MonkeyPatch, multiprocessing: str, preset: str | None, expected: str
+) -> None:
+    """vLLM's CPU platform asks for spawn; with the uni executor the engine core (the server's
+    only child) is forked instead, unless the user chose a method; with the mp executor (whose
+    workers come from the engine core) vLLM's spawn stands."""
+    from vllm.platforms import cpu
+
+    from eagle3_pipeline.serving import cpu_patches
+    from eagle3_pipeline.serving import server as srv
+
+    method = "VLLM_WORKER_MULTIPROC_METHOD"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", multiprocessing)
+    monkeypatch.setenv(method, preset or "")
+    if preset is None:
+        monkeypatch.delenv(method)
+
+    def vllm_s_own(cls, vllm_config) -> None:  # noqa: ANN001 - what the platform does to it
+        os.environ[method] = "spawn"
+
+    monkeypatch.setattr(cpu.CpuPlatform, "check_and_update_config", classmethod(vllm_s_own))
+    monkeypatch.setattr(cpu_patches, "on_cpu_platform", lambda: True)
+    monkeypatch.setattr(srv, "patch_cpu_kernel_rebind", lambda: None)
+    monkeypatch.setattr(cpu_patches, "server_args_with_patches", lambda args: args)
+    monkeypatch.setattr(srv.runpy, "run_module", lambda m, **kw: None)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    srv._run_vllm("vllm.entrypoints.openai.api_server", ["--model", "m"])
+    cpu.CpuPlatform.check_and_update_config(object())  # as vLLM calls it, building its config
+    assert os.environ[method] == expected
