@@ -393,7 +393,8 @@ def _run_vllm(module: str, args: list[str]) -> None:
         # With multiprocessing on, vLLM's CPU platform forces the mp executor: the API server,
         # the engine core and its worker start one after another, each importing torch and
         # vLLM. Off, it keeps the uni executor (the worker inside the engine core, still a
-        # process of its own): ready in 28 s instead of 40 on 2 cores. A value the user set wins.
+        # process of its own, which is then forked, not spawned: one import of torch and vLLM
+        # in all instead of three). A value the user set wins.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
             _fork_engine_core()
