@@ -19,17 +19,14 @@ import csv
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from ray_cluster import NETNS, kill_session
+from ray_cluster import NETNS, free_port, kill_session, local_cluster
 from train_workspace import build_workspace, checkpoints, stage_command, stage_env
 
 from eagle3_pipeline.training import checkpoints as ck
@@ -39,31 +36,8 @@ TRAIN = {"epochs": 2, "max_tokens_per_batch": 96}  # ~10 steps per epoch and ran
 LAST = 1  # the final epoch's directory
 
 
-def _free_port(lo: int, hi: int) -> int:
-    for port in range(lo, hi):
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) != 0:
-                return port
-    pytest.skip(f"no free port in {lo}-{hi - 1}")
-
-
 def _env() -> dict[str, str]:
     return stage_env() | {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
-@contextlib.contextmanager
-def _cluster(root: Path, nodes: int = 2) -> Iterator[None]:
-    """`nodes` local Ray nodes started in `root` (state in its data/.work/cluster)."""
-    cmd = [sys.executable, "-m", "eagle3_pipeline.cluster.local"]
-    try:
-        subprocess.run(
-            [*cmd, "up", "--nodes", str(nodes), "--port", str(_free_port(6400, 6410)),
-             *(["--netns"] if NETNS else [])],
-            cwd=root, env=_env(), check=True, timeout=300,
-        )  # fmt: skip
-        yield
-    finally:
-        subprocess.run([*cmd, "down"], cwd=root, env=_env(), timeout=120)
 
 
 def _set_params(root: Path, **sections: dict) -> None:
@@ -166,14 +140,14 @@ def test_two_nodes_train_like_two_processes_and_survive_a_lost_node(
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: local_run.poll() is None and local_run.kill())
-        stack.enter_context(_cluster(root, nodes=3))  # one node to spare
+        stack.enter_context(local_cluster(root, 3, (6400, 6410), netns=True))  # one to spare
         up_s = time.monotonic() - t0
         reference_log = (tmp_path / "reference.log").read_text
         assert local_run.wait(timeout=900) == 0, f"train failed:\n{reference_log()[-6000:]}"
         reference = _weights(root)
         _keep(root, tmp_path / "local")
 
-        rdzv_port = _free_port(29500, 29510)
+        rdzv_port = free_port(29500, 29510)
         _set_params(
             root,
             train={"nproc": 1},
