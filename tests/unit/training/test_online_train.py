@@ -3,15 +3,19 @@
 The server replays the synthetic store's own hidden states, so an online run must train the very
 drafter the store run trains (same samples, same steps, same weights); each fault must end the
 stage non-zero with one line naming the sample or the server, before the first step where the
-server is wrong, and within the configured bound where it dies. Real vLLM serving online mode is
-tested end to end in tests/e2e/test_online_e2e.py.
+server is wrong, and within the configured bound where it dies. The refusals run the CLI's `main`
+in the test process (`in_this_process`: seconds, not a new process's imports); a killed run, a
+dying server and the training runs are processes of their own. Real
+vLLM serving online mode is tested end to end in tests/e2e/test_online_e2e.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +32,7 @@ from train_workspace import (
     stage_env,
 )
 
+from eagle3_pipeline import cli
 from eagle3_pipeline.serving.chat import API_KEY_VAR
 from eagle3_pipeline.store import format as store
 
@@ -68,16 +73,32 @@ def _workspace(tmp_path: Path, name: str, verifier: Path) -> Path:
     return build_workspace(tmp_path / name, verifier, n_train=16, train=TRAIN)
 
 
-def _run(root: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        stage_command(), cwd=root, env=stage_env(), capture_output=True, text=True, timeout=timeout
-    )
-
-
 def _error_line(proc: subprocess.CompletedProcess) -> str:
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode != 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
     return lines[-1]
+
+
+@pytest.fixture
+def in_this_process(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Iterator[Callable[[Path], subprocess.CompletedProcess]]:
+    """`eagle3 train` run by the CLI's own `main` in this process, for the refusals before the
+    first step: the same code as the command, without a new process importing speculators and
+    torch (~18 s each on 2 cores). The environment the stage sets is put back after."""
+    saved = dict(os.environ)
+    monkeypatch.delenv(API_KEY_VAR, raising=False)
+
+    def run(root: Path) -> subprocess.CompletedProcess:
+        monkeypatch.chdir(root)
+        capsys.readouterr()
+        rc = cli.main(["train", "--params", "params.yaml"])
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess([], rc, out.out, out.err)
+
+    yield run
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _weights(root: Path) -> dict[str, torch.Tensor]:
@@ -114,13 +135,13 @@ def online_run(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path
 
 
 def test_a_server_wanting_a_key_the_run_lacks_is_refused_naming_the_variable(
-    tmp_path: Path, tiny_verifier_dir: Path
+    tmp_path: Path, tiny_verifier_dir: Path, in_this_process: Callable
 ) -> None:
     root = _workspace(tmp_path, "ws", tiny_verifier_dir)
     served = ReplayServer(_states(root), root / "served", str(tiny_verifier_dir), api_key=KEY)
     with served as server:
         _go_online(root, server.url)
-        proc = _run(root)  # no EAGLE3_VLLM_API_KEY
+        proc = in_this_process(root)  # no EAGLE3_VLLM_API_KEY
     line = _error_line(proc)
     assert server.url in line and API_KEY_VAR in line and "401" in line, line
     assert server.requests == 0 and server.refused == 1  # refused on the model list
@@ -143,7 +164,7 @@ def test_online_trains_the_store_runs_drafter(store_run: Path, online_run: tuple
 
 @pytest.mark.parametrize("fault", ["missing", "truncated", "nan"])
 def test_a_bad_sample_is_refused_by_name(
-    tmp_path: Path, tiny_verifier_dir: Path, fault: str
+    tmp_path: Path, tiny_verifier_dir: Path, fault: str, in_this_process: Callable
 ) -> None:
     root = _workspace(tmp_path, "ws", tiny_verifier_dir)
     served = ReplayServer(
@@ -151,7 +172,7 @@ def test_a_bad_sample_is_refused_by_name(
     )
     with served as server:
         _go_online(root, server.url)
-        proc = _run(root)
+        proc = in_this_process(root)
     line = _error_line(proc)
     assert line.startswith("error: hidden states of sample s0"), line
     assert server.url in line
@@ -163,7 +184,7 @@ def test_a_bad_sample_is_refused_by_name(
 
 @pytest.mark.parametrize("fault", ["other_model", "fewer_layers"])
 def test_a_server_of_another_model_is_refused_before_the_first_step(
-    tmp_path: Path, tiny_verifier_dir: Path, fault: str
+    tmp_path: Path, tiny_verifier_dir: Path, fault: str, in_this_process: Callable
 ) -> None:
     root = _workspace(tmp_path, "ws", tiny_verifier_dir)
     served = ReplayServer(
@@ -171,7 +192,7 @@ def test_a_server_of_another_model_is_refused_before_the_first_step(
     )
     with served as server:
         _go_online(root, server.url)
-        proc = _run(root)
+        proc = in_this_process(root)
     line = _error_line(proc)
     assert f"'{tiny_verifier_dir}' (root /else)" in line, line
     assert ("differ from the store's" if fault == "other_model" else "[30, 3,") in line, line
@@ -180,12 +201,12 @@ def test_a_server_of_another_model_is_refused_before_the_first_step(
 
 
 def test_a_server_under_another_name_is_refused_naming_both(
-    tmp_path: Path, tiny_verifier_dir: Path
+    tmp_path: Path, tiny_verifier_dir: Path, in_this_process: Callable
 ) -> None:
     root = _workspace(tmp_path, "ws", tiny_verifier_dir)
     with ReplayServer(_states(root), root / "served", "org/other-model") as server:
         _go_online(root, server.url)
-        proc = _run(root)
+        proc = in_this_process(root)
     line = _error_line(proc)
     assert "'org/other-model'" in line and f"not the verifier {tiny_verifier_dir}" in line, line
     assert server.requests == 0  # refused on the model list, before any sample
