@@ -12,17 +12,16 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
 import yaml
 from generate_workspace import prepare_rows
+from ray_cluster import NETNS, local_cluster
 from server_procs import server_key, server_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -35,10 +34,8 @@ GENERATE = {
     "temperature": 0.0,
     "chat_template_kwargs": {"thinking": True},
 }  # servers on ports 8410-8419: the cluster's from 8410, the single node's 8416
-RAY_PORTS = range(6410, 6420)
-# As root, each node but the head in its own network namespace: a server bound to another
-# node's address (or to 0.0.0.0) would not be found where the stage says it is.
-NETNS = ["--netns"] if os.geteuid() == 0 else []
+# As root, each node but the head in its own network namespace (ray_cluster.NETNS): a server
+# bound to another node's address (or to 0.0.0.0) would not be found where the stage says it is.
 READY = re.compile(r"cluster: server on (\S+) ready at (http://\S+)")
 
 
@@ -70,31 +67,6 @@ def _eagle3(root: Path, log: Path) -> subprocess.Popen:
 
 def _outputs(root: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((root / "data/generated").iterdir())}
-
-
-def _free_ray_port() -> int:
-    for port in RAY_PORTS:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) != 0:
-                return port
-    raise RuntimeError(f"no free port in {RAY_PORTS}")
-
-
-@contextlib.contextmanager
-def _local_cluster(root: Path, nodes: int = 2) -> Iterator[None]:
-    """The project's local cluster, started in the workspace; always stopped."""
-    cmd = [sys.executable, "-m", "eagle3_pipeline.cluster.local"]
-    try:
-        subprocess.run(
-            [*cmd, "up", "--nodes", str(nodes), "--port", str(_free_ray_port()), *NETNS],
-            cwd=root,
-            env=_env(),
-            check=True,
-            timeout=300,
-        )
-        yield
-    finally:
-        subprocess.run([*cmd, "down"], cwd=root, env=_env(), timeout=120)
 
 
 def _signal_server(port: int, sig: int) -> None:
@@ -130,7 +102,7 @@ def test_generate_across_two_nodes_survives_a_killed_server_with_identical_rows(
 
     two = _workspace(tmp_path / "two", tiny_verifier_dir, 8410, {"engine": "ray", "nodes": 2})
     log = tmp_path / "two.log"
-    with _local_cluster(two), contextlib.ExitStack() as stack:
+    with local_cluster(two, 2, (6410, 6420), netns=True), contextlib.ExitStack() as stack:
         stack.callback(lambda: single_run.poll() is None and single_run.kill())
         proc = _eagle3(two, log)
         try:
