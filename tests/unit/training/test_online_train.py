@@ -4,9 +4,9 @@ The server replays the synthetic store's own hidden states, so an online run mus
 drafter the store run trains (same samples, same steps, same weights); each fault must end the
 stage non-zero with one line naming the sample or the server, before the first step where the
 server is wrong, and within the configured bound where it dies. The refusals run the CLI's `main`
-in the test process (`in_this_process`: seconds, not a new process's imports); a killed run, a
-dying server and the training runs are processes of their own. Real
-vLLM serving online mode is tested end to end in tests/e2e/test_online_e2e.py.
+in the test process (`in_this_process`: seconds, not a new process's imports); the training
+runs, a killed run and a dying server's run are processes of their own. Real vLLM serving online
+mode is tested end to end in tests/e2e/test_online_e2e.py.
 """
 
 from __future__ import annotations
@@ -83,9 +83,10 @@ def _error_line(proc: subprocess.CompletedProcess) -> str:
 def in_this_process(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> Iterator[Callable[[Path], subprocess.CompletedProcess]]:
-    """`eagle3 train` run by the CLI's own `main` in this process, for the refusals before the
-    first step: the same code as the command, without a new process importing speculators and
-    torch (~18 s each on 2 cores). The environment the stage sets is put back after."""
+    """`eagle3 train` run by the CLI's own `main` in this process, for the refusals (a wrong
+    server before the first step, a bad sample at its step): the same code as the command,
+    without a new process importing speculators and torch (~18 s each on 2 cores). The
+    environment the stage sets is put back after."""
     saved = dict(os.environ)
     monkeypatch.delenv(API_KEY_VAR, raising=False)
 
