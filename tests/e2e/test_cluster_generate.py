@@ -34,8 +34,6 @@ GENERATE = {
     "temperature": 0.0,
     "chat_template_kwargs": {"thinking": True},
 }  # servers on ports 8410-8419: the cluster's from 8410, the single node's 8416
-# As root, each node but the head in its own network namespace (ray_cluster.NETNS): a server
-# bound to another node's address (or to 0.0.0.0) would not be found where the stage says it is.
 READY = re.compile(r"cluster: server on (\S+) ready at (http://\S+)")
 
 
@@ -102,6 +100,8 @@ def test_generate_across_two_nodes_survives_a_killed_server_with_identical_rows(
 
     two = _workspace(tmp_path / "two", tiny_verifier_dir, 8410, {"engine": "ray", "nodes": 2})
     log = tmp_path / "two.log"
+    # As root, each node but the head in its own network namespace (ray_cluster.NETNS): a server
+    # bound to another node's address (or to 0.0.0.0) would not be found where the stage says.
     with local_cluster(two, 2, (6410, 6420), netns=True), contextlib.ExitStack() as stack:
         stack.callback(lambda: single_run.poll() is None and single_run.kill())
         proc = _eagle3(two, log)
