@@ -5,10 +5,11 @@ store's random hidden states are never compared with the real verifier's).
 
 Both tests share one 3-node cluster (the Mooncake test first: the other one loses a node).
 
-- Mooncake, `cluster.nodes: 2, train_nodes: 1`: the head is the inference pool (vLLM with
-  extract_hidden_states and the Mooncake master, both started through Ray on it), another node
-  the training pool (one torchrun agent). The stage ends green and its provenance names the node
-  that served vLLM and the node that trained.
+- Mooncake, `cluster.nodes: 3, train_nodes: 1`: the head and one more node are the inference
+  pool (one vLLM with extract_hidden_states on each; the Mooncake master on the head, all started
+  through Ray), the third node trains (one agent, 2 ranks: each rank asks its own server, both
+  servers put into the one master). The stage ends green and its provenance names the nodes that
+  served, the requests each answered, the master's node and the node that trained.
 - Files, `cluster.nodes: 3, train_nodes: 1`: the head and one more node are the inference pool
   (one vLLM on each), the third node trains (one agent, 2 ranks: each rank asks its own
   server). Once the second server has answered rows of epoch 1 and that epoch's checkpoint is
@@ -98,13 +99,13 @@ def _join(root: Path, state_file: Path) -> None:
     shutil.copy2(state_file, root / STATE)
 
 
-def test_vllm_on_the_inference_node_trainer_on_the_training_node(
+def test_two_servers_on_one_mooncake_master_each_serve_a_rank(
     tiny_verifier_dir: Path, tmp_path: Path, cluster: tuple[dict, Path]
 ) -> None:
     root = build_workspace(
-        tmp_path / "ws", tiny_verifier_dir, n_train=6, n_val=2, train={"epochs": 1}
+        tmp_path / "ws", tiny_verifier_dir, n_train=6, n_val=2, train={"epochs": 1, "nproc": 2}
     )
-    _all_online(root, free_port(29520, 29530), "mooncake", 2)
+    _all_online(root, free_port(29520, 29530), "mooncake", 3)
     _join(root, cluster[1])
     t0 = time.monotonic()
     proc = subprocess.run(
@@ -119,19 +120,21 @@ def test_vllm_on_the_inference_node_trainer_on_the_training_node(
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"train failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-6000:]}"
     assert (checkpoints(root) / "0" / "model.safetensors").is_file()
+    assert "rows from 2 vLLM servers" in out, out[-4000:]
     record = json.loads((root / "metrics/provenance/train.json").read_text())["cluster"]
     online = record["online"]
-    (served,) = online["vllm"]
-    served_on = served["node"]
-    assert online["pools"]["inference"] == [served_on], record
+    served_on = [x["node"] for x in online["vllm"]]
+    assert online["pools"]["inference"] == served_on and len(set(served_on)) == 2, record
+    assert all(x["requests"] >= 1 for x in online["vllm"]), record  # each rank's own server
     assert online["pools"]["training"] == record["nodes"], record
-    assert len(record["nodes"]) == 1 and served_on not in record["nodes"], record
-    assert online["mooncake_master"]["node"] == served_on, record
-    if NETNS:  # a label is `address/node id`: two machines, as far as the network goes
-        assert served_on.split("/")[0] != record["nodes"][0].split("/")[0], record
+    assert len(record["nodes"]) == 1 and record["nodes"][0] not in served_on, record
+    assert record["world_size"] == 2, record
+    assert online["mooncake_master"]["node"] == served_on[0], record
+    if NETNS:  # a label is `address/node id`: three machines, as far as the network goes
+        assert len({n.split("/")[0] for n in [*served_on, *record["nodes"]]}) == 3, record
     assert online["backend"] == "mooncake"
     assert "cluster: mooncake_master on" in out, out[-4000:]
-    print(f"2-node online train (mooncake) {train_s:.1f} s")
+    print(f"3-node online train (mooncake, 2 servers) {train_s:.1f} s")
 
 
 def test_two_servers_one_per_rank_and_a_lost_inference_node_is_survived(

@@ -6,9 +6,9 @@ inference pool and the rest the training pool (torchrun agents run there only). 
 node serves the verifier with `extract_hidden_states` (a servers.ServerWorker actor pinned to it,
 listening on its cluster address); speculators' dataloader takes one `--vllm-endpoint`, so each
 training rank is given one of those servers, round robin by global rank (training/online.py
-`endpoint_for_rank`); with `backend: mooncake`, the first inference node's only (see
-docs/cluster.md). With `train.online.backend: mooncake` the first inference node also runs
-`mooncake_master` (a MasterWorker actor, bound to the node's address, stopped at the end)
+`endpoint_for_rank`); with `backend: mooncake`, only where two servers on one master are shown
+to work (`serving_nodes`). With `train.online.backend: mooncake` the first inference node also
+runs `mooncake_master` (a MasterWorker actor, bound to the node's address, stopped at the end)
 unless params.yaml names `train.online.mooncake.master`. Every Mooncake client registers its own
 node's address (MOONCAKE_LOCAL_HOSTNAME): each server its node's, each trainer its node's, the
 driver (whose pre-flight probe reads one sample from every server) its own. With `backend:
@@ -30,7 +30,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,6 +54,8 @@ STOP_TIMEOUT_S = 60.0
 # to the CPU without (the driver cannot tell what the inference node has).
 CPU_MOONCAKE_CONNECTOR = "CPUMooncakeHiddenStatesConnector"
 CPU_MOONCAKE_MODULE = "eagle3_pipeline.serving.cpu_mooncake_connector"
+MULTIPROCESSING_VAR = "VLLM_ENABLE_V1_MULTIPROCESSING"
+ONE_SERVER = "two servers on one Mooncake master: only CPU servers with their default executor"
 
 
 def uses_pools(params: Params) -> bool:
@@ -139,6 +141,19 @@ class MasterWorker:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+def serving_nodes(
+    inference: list[engine.Node], mooncake: bool, num_gpus: float, env: Mapping[str, str]
+) -> list[engine.Node]:
+    """The inference nodes that start a server: every one, except with Mooncake where two
+    servers on one master are not shown to work, where only the first does: GPU servers (not run
+    yet) and CPU servers whose worker runs in a process of its own (VLLM_ENABLE_V1_MULTIPROCESSING
+    set to anything but 0). With such a worker, two servers on one master failed on a namespaced
+    local cluster (the master expired one server's client, its puts were lost); with the worker
+    inside the engine core process (our CPU servers' default, serving/server.py) both serve."""
+    own_worker_process = num_gpus > 0 or env.get(MULTIPROCESSING_VAR, "0") != "0"
+    return inference[:1] if mooncake and own_worker_process else list(inference)
 
 
 def _free_port(host: str) -> int:
@@ -326,12 +341,9 @@ def inference_pool(params: Params, layer_ids: list[int], work: Path) -> Iterator
         storage = work / "online-hidden-states"
         clear_dir(storage)
         key = auth.run_key()  # one per run, shared by its servers
-        serving = inference
-        if master and len(inference) > 1:
-            # With two, one server's first put hangs in PutEnd and the master expires its
-            # client (no heartbeat) on a namespaced local cluster: one until understood.
-            serving = inference[:1]
-            log(STAGE, "cluster: backend mooncake: vLLM on the first inference node only")
+        serving = serving_nodes(inference, bool(master), c.worker.num_gpus, engine.passed_env())
+        if len(serving) < len(inference):
+            log(STAGE, f"cluster: vLLM on {serving[0].label} only ({ONE_SERVER}; docs/cluster.md)")
         starts = []
         for i, at in enumerate(serving):
             log_file = work / f"vllm-online-{i}.log"

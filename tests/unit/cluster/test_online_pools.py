@@ -33,6 +33,23 @@ def test_no_inference_node_is_refused_with_the_fix(nodes: int, train_nodes: int 
     assert "params.yaml: cluster.train_nodes=" in line and "set cluster.train_nodes below" in line
 
 
+@pytest.mark.parametrize(
+    ("mooncake", "num_gpus", "env", "serving"),
+    [
+        (False, 0, {}, [A, B]),  # files: every inference node
+        (False, 1, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, [A, B]),
+        (True, 0, {}, [A, B]),  # CPU servers, the worker inside the engine core: both
+        (True, 0, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, [A, B]),
+        (True, 0, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, [A]),  # a worker process: the first
+        (True, 1, {}, [A]),  # GPU servers: not shown yet
+    ],
+)
+def test_mooncake_serves_from_every_inference_node_only_where_shown_to_work(
+    mooncake: bool, num_gpus: float, env: dict[str, str], serving: list[engine.Node]
+) -> None:
+    assert cluster_online.serving_nodes([A, B], mooncake, num_gpus, env) == serving
+
+
 def _params(**train) -> Params:
     return Params.model_validate(
         {
