@@ -147,11 +147,12 @@ def serving_nodes(
     inference: list[engine.Node], mooncake: bool, num_gpus: float, env: Mapping[str, str]
 ) -> list[engine.Node]:
     """The inference nodes that start a server: every one, except with Mooncake where two
-    servers on one master are not shown to work, where only the first does: GPU servers (not run
-    yet) and CPU servers whose worker runs in a process of its own (VLLM_ENABLE_V1_MULTIPROCESSING
-    set to anything but 0). With such a worker, two servers on one master failed on a namespaced
-    local cluster (the master expired one server's client, its puts were lost); with the worker
-    inside the engine core process (our CPU servers' default, serving/server.py) both serve."""
+    servers on one master have not been shown to work, and there only the first. That is a CPU
+    server whose worker runs in a process of its own (VLLM_ENABLE_V1_MULTIPROCESSING, as the
+    driver passes it, set to anything but 0: two such servers failed on a namespaced local
+    cluster, the master expired one server's client and its puts were lost) and any GPU server
+    (not run yet). Our CPU servers keep the worker inside the engine core process by default
+    (serving/server.py), and two of them serve."""
     own_worker_process = num_gpus > 0 or env.get(MULTIPROCESSING_VAR, "0") != "0"
     return inference[:1] if mooncake and own_worker_process else list(inference)
 
