@@ -7,9 +7,11 @@ cluster, 2 nodes x 1 process, with the second node lost during epoch 2 (every pr
 driver relaunches on the 2 nodes still alive from epoch 1's checkpoint; the run ends with the
 reference's weights, bit for bit (same world size, same global ranks, so the same samples per
 rank), and its loss curves; the provenance names the nodes of each attempt, the rendezvous host and
-the lost node. Each node but the head has its own network namespace and address (as root), so the
-rendezvous and gloo run between addresses as between machines. (Measured once: the same cluster
-run without the kill also equals the reference bit for bit.)
+the lost node. Then a families branch (`train --family d`, DFlash) on the 2 nodes left equals the
+same branch on this machine alone with 2 processes, weight for weight. Each node but the head has
+its own network namespace and address (as root), so the rendezvous and gloo run between addresses
+as between machines. (Measured once: the same cluster run without the kill also equals the
+reference bit for bit.)
 """
 
 from __future__ import annotations
@@ -27,13 +29,17 @@ import pytest
 import torch
 import yaml
 from ray_cluster import NETNS, free_port, kill_session, local_cluster
+from safetensors.torch import load_file
 from train_workspace import build_workspace, checkpoints, stage_command, stage_env
 
+from eagle3_pipeline.cluster.local import STATE
 from eagle3_pipeline.training import checkpoints as ck
 
 pytestmark = pytest.mark.slow
 TRAIN = {"epochs": 2, "max_tokens_per_batch": 96}  # ~10 steps per epoch and rank
 LAST = 1  # the final epoch's directory
+# 1: a special token none of the family workspace's rows holds (DFlash's mask token).
+FAMILY = {"d": {"name": "dflash", "block_size": 3, "num_layers": 1, "mask_token_id": 1}}
 
 
 def _env() -> dict[str, str]:
@@ -122,6 +128,22 @@ def _keep(root: Path, dest: Path) -> None:
         shutil.rmtree(root / d, ignore_errors=True)
 
 
+def _run_family(root: Path) -> tuple[float, dict[str, torch.Tensor]]:
+    """`eagle3 train --family d`: its seconds and final weights; then its outputs and scratch
+    cleared for the next run."""
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [*stage_command(), "--family", "d"],
+        cwd=root, env=_env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"family@d failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"
+    assert "drafter dflash" in proc.stdout + proc.stderr
+    weights = load_file(str(root / "models/families/d/final/model.safetensors"))
+    for d in ("data/.work/train", "models"):
+        shutil.rmtree(root / d, ignore_errors=True)
+    return time.monotonic() - t0, weights
+
+
 def _same(a: dict, b: dict) -> list[str]:
     assert a.keys() == b.keys()
     return [k for k in a if not torch.equal(a[k], b[k])]
@@ -156,6 +178,17 @@ def test_two_nodes_train_like_two_processes_and_survive_a_lost_node(
         t1 = time.monotonic()
         out = _run_losing_a_node(root)
         killed_s = time.monotonic() - t1
+        # A families branch (DFlash) in a workspace of its own: on the 2 nodes left, then on
+        # this machine alone.
+        family = build_workspace(tmp_path / "fam", tiny_verifier_dir, n_train=8, n_val=2)
+        (family / STATE).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / STATE, family / STATE)  # the cluster, as its own stages find it
+        cluster = {"engine": "ray", "nodes": 2, "rdzv_port": rdzv_port, "wait_for_nodes_s": 30}
+        _set_params(family, families=FAMILY, train=TRAIN | {"nproc": 1}, cluster=cluster)
+        family_s, family_cluster = _run_family(family)
+        family_record = json.loads((family / "metrics/provenance/family@d.json").read_text())
+        _set_params(family, train={"nproc": 2}, cluster={"engine": "local", "nodes": 1})
+        _, family_local = _run_family(family)
     assert "torchrun through Ray" in out, out[-4000:]
     assert "cluster: attempt 2 resumes after epoch 0" in out, out[-6000:]
     # 2 nodes x 1 process = 1 node x 2 processes, bit for bit, despite the lost agent.
@@ -176,4 +209,12 @@ def test_two_nodes_train_like_two_processes_and_survive_a_lost_node(
     if NETNS:  # a label is `address/node id`: each attempt's nodes at distinct addresses
         for nodes in (first["nodes"], second["nodes"]):
             assert len({n.split("/")[0] for n in nodes}) == 2, record
-    print(f"cluster up {up_s:.1f} s, 2-node train with a lost node {killed_s:.1f} s")
+    # The families branch: 2 nodes x 1 process = 1 node x 2 processes, bit for bit.
+    assert family_cluster.keys() == family_local.keys()
+    assert [k for k in family_cluster if not torch.equal(family_cluster[k], family_local[k])] == []
+    family_nodes = family_record["cluster"]["nodes"]
+    assert len(set(family_nodes)) == 2 and lost[0]["node"] not in family_nodes, family_record
+    print(
+        f"cluster up {up_s:.1f} s, 2-node train with a lost node {killed_s:.1f} s, "
+        f"2-node DFlash branch {family_s:.1f} s"
+    )
