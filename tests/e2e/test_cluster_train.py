@@ -170,11 +170,8 @@ def test_two_nodes_train_like_two_processes_and_survive_a_lost_node(
         _keep(root, tmp_path / "local")
 
         rdzv_port = free_port(29500, 29510)
-        _set_params(
-            root,
-            train={"nproc": 1},
-            cluster={"engine": "ray", "nodes": 2, "rdzv_port": rdzv_port, "wait_for_nodes_s": 30},
-        )
+        two_nodes = {"engine": "ray", "nodes": 2, "rdzv_port": rdzv_port, "wait_for_nodes_s": 30}
+        _set_params(root, train={"nproc": 1}, cluster=two_nodes)
         t1 = time.monotonic()
         out = _run_losing_a_node(root)
         killed_s = time.monotonic() - t1
@@ -183,8 +180,7 @@ def test_two_nodes_train_like_two_processes_and_survive_a_lost_node(
         family = build_workspace(tmp_path / "fam", tiny_verifier_dir, n_train=8, n_val=2)
         (family / STATE).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(root / STATE, family / STATE)  # the cluster, as its own stages find it
-        cluster = {"engine": "ray", "nodes": 2, "rdzv_port": rdzv_port, "wait_for_nodes_s": 30}
-        _set_params(family, families=FAMILY, train=TRAIN | {"nproc": 1}, cluster=cluster)
+        _set_params(family, families=FAMILY, train=TRAIN | {"nproc": 1}, cluster=two_nodes)
         family_s, family_cluster = _run_family(family)
         family_record = json.loads((family / "metrics/provenance/family@d.json").read_text())
         _set_params(family, train={"nproc": 2}, cluster={"engine": "local", "nodes": 1})
@@ -210,8 +206,7 @@ def test_two_nodes_train_like_two_processes_and_survive_a_lost_node(
         for nodes in (first["nodes"], second["nodes"]):
             assert len({n.split("/")[0] for n in nodes}) == 2, record
     # The families branch: 2 nodes x 1 process = 1 node x 2 processes, bit for bit.
-    assert family_cluster.keys() == family_local.keys()
-    assert [k for k in family_cluster if not torch.equal(family_cluster[k], family_local[k])] == []
+    assert _same(family_cluster, family_local) == []
     family_nodes = family_record["cluster"]["nodes"]
     assert len(set(family_nodes)) == 2 and lost[0]["node"] not in family_nodes, family_record
     print(
