@@ -93,6 +93,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, Pa
         yield state, home / STATE
 
 
+def _two_servers_one_trainer(record: dict) -> list[str]:
+    """Check the cluster record of a run on 2 inference nodes and 1 training node (2 ranks);
+    return the nodes that served, in order."""
+    online = record["online"]
+    served_on = [x["node"] for x in online["vllm"]]
+    assert online["pools"]["inference"] == served_on and len(set(served_on)) == 2, record
+    assert online["pools"]["training"] == record["nodes"], record
+    assert len(record["nodes"]) == 1 and record["nodes"][0] not in served_on, record
+    assert record["world_size"] == 2, record
+    if NETNS:  # a label is `address/node id`: three machines, as far as the network goes
+        assert len({n.split("/")[0] for n in [*served_on, *record["nodes"]]}) == 3, record
+    return served_on
+
+
 def _join(root: Path, state_file: Path) -> None:
     """The workspace's stages find the shared cluster as they find one it started itself."""
     (root / STATE).parent.mkdir(parents=True, exist_ok=True)
@@ -123,15 +137,9 @@ def test_two_servers_on_one_mooncake_master_each_serve_a_rank(
     assert "rows from 2 vLLM servers" in out, out[-4000:]
     record = json.loads((root / "metrics/provenance/train.json").read_text())["cluster"]
     online = record["online"]
-    served_on = [x["node"] for x in online["vllm"]]
-    assert online["pools"]["inference"] == served_on and len(set(served_on)) == 2, record
+    served_on = _two_servers_one_trainer(record)
     assert all(x["requests"] >= 1 for x in online["vllm"]), record  # each rank's own server
-    assert online["pools"]["training"] == record["nodes"], record
-    assert len(record["nodes"]) == 1 and record["nodes"][0] not in served_on, record
-    assert record["world_size"] == 2, record
     assert online["mooncake_master"]["node"] == served_on[0], record
-    if NETNS:  # a label is `address/node id`: three machines, as far as the network goes
-        assert len({n.split("/")[0] for n in [*served_on, *record["nodes"]]}) == 3, record
     assert online["backend"] == "mooncake"
     assert "cluster: mooncake_master on" in out, out[-4000:]
     print(f"3-node online train (mooncake, 2 servers) {train_s:.1f} s")
@@ -183,16 +191,10 @@ def test_two_servers_one_per_rank_and_a_lost_inference_node_is_survived(
     record = json.loads((root / "metrics/provenance/train.json").read_text())["cluster"]
     online = record["online"]
     servers = online["vllm"]
-    served_on = [x["node"] for x in servers]
-    assert online["pools"]["inference"] == served_on and len(set(served_on)) == 2, record
-    assert online["pools"]["training"] == record["nodes"], record
-    assert len(record["nodes"]) == 1 and record["nodes"][0] not in served_on, record
-    assert record["world_size"] == 2, record
+    served_on = _two_servers_one_trainer(record)
     first, second = record["attempts"]
     assert first["servers_lost"] == [served_on[1]] and "servers_lost" not in second, record
     assert servers[1]["lost"] is True and "lost" not in servers[0], record
     assert servers[0]["requests"] >= 6, record  # its own rank's rows, then the lost one's
-    if NETNS:  # a label is `address/node id`: three machines, as far as the network goes
-        assert len({n.split("/")[0] for n in [*served_on, *record["nodes"]]}) == 3, record
     assert online["backend"] == "file"
     print(f"3-node online train, a lost server: {train_s:.1f} s")

@@ -54,7 +54,6 @@ STOP_TIMEOUT_S = 60.0
 # to the CPU without (the driver cannot tell what the inference node has).
 CPU_MOONCAKE_CONNECTOR = "CPUMooncakeHiddenStatesConnector"
 CPU_MOONCAKE_MODULE = "eagle3_pipeline.serving.cpu_mooncake_connector"
-MULTIPROCESSING_VAR = "VLLM_ENABLE_V1_MULTIPROCESSING"
 ONE_SERVER = "two servers on one Mooncake master: only CPU servers with their default executor"
 
 
@@ -153,7 +152,9 @@ def serving_nodes(
     cluster, the master expired one server's client and its puts were lost) and any GPU server
     (not run yet). Our CPU servers keep the worker inside the engine core process by default
     (serving/server.py), and two of them serve."""
-    own_worker_process = num_gpus > 0 or env.get(MULTIPROCESSING_VAR, "0") != "0"
+    from eagle3_pipeline.serving.server import cpu_worker_in_engine_core
+
+    own_worker_process = num_gpus > 0 or not cpu_worker_in_engine_core(env)
     return inference[:1] if mooncake and own_worker_process else list(inference)
 
 

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -381,6 +381,15 @@ def _fork_engine_core() -> None:
     cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
+MULTIPROCESSING_VAR = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def cpu_worker_in_engine_core(env: Mapping[str, str]) -> bool:
+    """Whether a CPU server started with `env` runs its worker inside the engine core process
+    (the uni executor): unless the user sets VLLM_ENABLE_V1_MULTIPROCESSING to anything but 0."""
+    return env.get(MULTIPROCESSING_VAR, "0") == "0"
+
+
 def _run_vllm(module: str, args: list[str]) -> None:
     """vLLM's entry point `module` with `args`, after the CPU patches: the kernel rebind (the
     scan runs in this process) and, only for an MLA verifier with a drafter on CPU, the
@@ -395,8 +404,8 @@ def _run_vllm(module: str, args: list[str]) -> None:
         # vLLM. Off, it keeps the uni executor (the worker inside the engine core, still a
         # process of its own, which is then forked, not spawned: one import of torch and vLLM
         # in all instead of three). A value the user set wins.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
+        os.environ.setdefault(MULTIPROCESSING_VAR, "0")
+        if cpu_worker_in_engine_core(os.environ):
             _fork_engine_core()
     patch_cpu_kernel_rebind()
     args = cpu_patches.server_args_with_patches(args)
