@@ -8,6 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROFILE ?=
 PYTEST_ARGS ?=
+GPU_CHECK_ARGS ?=
 # No hub access at run time; vLLM and DVC keep their state inside the workspace.
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
@@ -112,7 +113,7 @@ bench: venv
 # On a CUDA machine, in the image (< 10 min): device and driver, bf16, the stock hidden-states
 # connector, bf16 training, vLLM serving Llama and MLA verifiers with the drafter; one line each.
 gpu-check: venv
-	$(PY) scripts/gpu_check.py
+	$(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 IMAGE ?= eagle3-pipeline:0.1.0
 HF_CACHE ?= $(HOME)/.cache/huggingface

@@ -23,6 +23,9 @@ One line per check, `PASS|FAIL|SKIP <check>: <numbers>`, in this order:
                 attention/MoE backends vLLM chose (from the server log)
 Each pipeline runs in a temp copy of the repo's tracked files (deleted unless `--keep`). A check
 whose input failed prints SKIP with the reason; checks past the time budget print SKIP (budget).
+Where vLLM is not installed (a bare GPU box with torch; docs/gpus.md), every vLLM check prints
+SKIP and the rest still runs on the GPU: extract with the HF backend (`*/extract-hf`), training,
+and the offline acceptance of the trained drafter (`*/acceptance-offline`).
 Exit 0 when every check passed, 1 otherwise, 2 on a machine without CUDA (one line).
 `--plan [--gpus N]` prints the checks it would run and their commands and configs, on any machine.
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import os
 import re
@@ -82,14 +86,23 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def pipeline_params(name: str, gpus: int = 1) -> dict[str, Any]:
+# Without vLLM: hidden states from the HF backend, and the drafter judged offline.
+WITHOUT_VLLM: dict[str, Any] = {"extract": {"backend": "hf"}, "evaluate": {"online": False}}
+NO_VLLM = "vLLM is not installed here"
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def pipeline_params(name: str, gpus: int = 1, vllm: bool = True) -> dict[str, Any]:
     """The pipeline's params; with two GPUs the MLA pipeline trains on both (torchrun, DDP)."""
     spec = PIPELINES[name]
     base = yaml.safe_load((REPO / "profiles" / f"{spec['profile']}.yaml").read_text())
     params = merge(merge(base, SHRINK), spec["over"])
     if name == "mla":
         params = merge(params, {"train": {"nproc": min(2, gpus), "strategy": "ddp"}})
-    return params
+    return params if vllm else merge(params, WITHOUT_VLLM)
 
 
 def tokens_per_s(tokens: int, seconds: float) -> float:
@@ -170,7 +183,9 @@ def run_stage(
 ) -> float:
     """`eagle3 <stage>` in `workspace`; its wall seconds. StageError with its last output line."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1")
-    env["PYTHONPATH"] = str(workspace / "src")  # the copy's code, as the image runs the mount's
+    # The copy's code first, as the image runs the mount's; a PYTHONPATH already set stays after.
+    paths = [str(workspace / "src"), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     cmd = stage_command(stage, params_file)
     if timeout_s <= 0:
         raise StageError("time budget spent")
@@ -215,34 +230,59 @@ def online_detail(evaluation: dict[str, Any]) -> tuple[bool, str]:
     return (not mismatch and verdict != "diverged"), detail
 
 
-def check_pipeline(name: str, report: Report, tmp: Path, gpus: int = 1) -> Path | None:
+def offline_detail(evaluation: dict[str, Any]) -> tuple[bool, str]:
+    """PASS/FAIL and numbers of the offline acceptance (trained drafter vs untrained)."""
+    offline = evaluation.get("offline") or {}
+    trained, untrained = offline.get("trained") or {}, offline.get("untrained") or {}
+    if "mean_acceptance_length" not in trained:
+        return False, "metrics/eval.json has no offline.trained section"
+    run = evaluation.get("offline_run") or {}
+    length = trained["mean_acceptance_length"]
+    detail = (
+        f"simulated mean acceptance length {length:.3f} (untrained "
+        f"{untrained.get('mean_acceptance_length', float('nan')):.3f}), acceptance rate "
+        f"{trained.get('acceptance_rate', float('nan')):.1%} over {trained.get('num_drafts')} "
+        f"drafts ({run.get('device')}, {run.get('dtype')})"
+    )
+    return length > untrained.get("mean_acceptance_length", 1.0), detail
+
+
+def check_pipeline(
+    name: str, report: Report, tmp: Path, gpus: int = 1, vllm: bool = True
+) -> Path | None:
     """One tiny pipeline: extract (stock connector), train (bf16), serve verifier + drafter.
+    Without vLLM: extract with the HF backend and judge the drafter offline.
     Returns its workspace once setup passed (the kimi checks reuse its tokenizer and prompts)."""
-    params = pipeline_params(name, gpus)
+    params = pipeline_params(name, gpus, vllm)
     ws = copy_repo(tmp / name)
     (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    extract = "extract" if vllm else "extract-hf"
+    judge = "serve-eagle3" if vllm else "acceptance-offline"
     try:
         for stage in SETUP_STAGES:
             run_stage(ws, stage, report.left_s())
     except StageError as e:
         report.put("FAIL", f"{name}/setup", str(e))
-        for check in ("extract", "train-bf16", "serve-eagle3"):
+        for check in (extract, "train-bf16", judge):
             report.put("SKIP", f"{name}/{check}", "setup failed")
         return None
+    if not vllm:
+        report.put("SKIP", f"{name}/extract", f"{NO_VLLM} (stock connector)")
     try:
         extract_s = run_stage(ws, "extract", report.left_s())
         manifest = json.loads((ws / "data/hidden_states/manifest.json").read_text())
         n = int(manifest["num_tokens"])
+        how = "stock ExampleHiddenStatesConnector" if vllm else "HF backend"
         report.put(
             "PASS",
-            f"{name}/extract",
-            f"stock ExampleHiddenStatesConnector, {n} tokens in {extract_s:.1f} s = "
+            f"{name}/{extract}",
+            f"{how}, {n} tokens in {extract_s:.1f} s = "
             f"{tokens_per_s(n, extract_s):,.0f} tokens/s (engine start incl.)",
         )
     except (StageError, OSError, KeyError, ValueError) as e:
-        report.put("FAIL", f"{name}/extract", str(e))
+        report.put("FAIL", f"{name}/{extract}", str(e))
         report.put("SKIP", f"{name}/train-bf16", "no hidden states")
-        report.put("SKIP", f"{name}/serve-eagle3", "no hidden states")
+        report.put("SKIP", f"{name}/{judge}", "no hidden states")
         return ws
     try:
         run_stage(ws, "vocab", report.left_s())
@@ -259,15 +299,18 @@ def check_pipeline(name: str, report: Report, tmp: Path, gpus: int = 1) -> Path 
         )
     except (StageError, OSError, ValueError) as e:
         report.put("FAIL", f"{name}/train-bf16", str(e))
-        report.put("SKIP", f"{name}/serve-eagle3", "no drafter")
+        report.put("SKIP", f"{name}/{judge}", "no drafter")
         return ws
     try:
         run_stage(ws, "export", report.left_s())
         eval_s = run_stage(ws, "evaluate", report.left_s())
-        ok, detail = online_detail(json.loads((ws / "metrics/eval.json").read_text()))
-        report.put("PASS" if ok else "FAIL", f"{name}/serve-eagle3", f"{detail}; {eval_s:.0f} s")
+        evaluation = json.loads((ws / "metrics/eval.json").read_text())
+        ok, detail = (online_detail if vllm else offline_detail)(evaluation)
+        report.put("PASS" if ok else "FAIL", f"{name}/{judge}", f"{detail}; {eval_s:.0f} s")
     except (StageError, OSError, ValueError) as e:
-        report.put("FAIL", f"{name}/serve-eagle3", str(e))
+        report.put("FAIL", f"{name}/{judge}", str(e))
+    if not vllm:
+        report.put("SKIP", f"{name}/serve-eagle3", NO_VLLM)
     return ws
 
 
@@ -504,7 +547,7 @@ def check_uid(report: Report) -> None:
         report.put("PASS", "uid", detail)
 
 
-def check_kimi(report: Report, mla_ws: Path | None, gpus: int) -> None:
+def check_kimi(report: Report, mla_ws: Path | None, gpus: int, vllm: bool = True) -> None:
     """The tiny INT4 Kimi (tokenizer and prompts from the MLA pipeline's workspace), served by
     the generate stage as the kimi-k2.5 profile serves Kimi-K2.5."""
     if mla_ws is None:
@@ -524,6 +567,9 @@ def check_kimi(report: Report, mla_ws: Path | None, gpus: int) -> None:
     except Exception as e:  # any failure of the build is this check's FAIL line
         report.put("FAIL", "kimi/int4-checkpoint", f"{type(e).__name__}: {str(e)[:300]}")
         report.put("SKIP", "kimi/generate", "no checkpoint")
+        return
+    if not vllm:
+        report.put("SKIP", "kimi/generate", NO_VLLM)
         return
     base = yaml.safe_load((mla_ws / "params.yaml").read_text())
     params = kimi_params(base, gpus)
@@ -688,6 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(args.budget_s)
     t0 = time.monotonic()
     gpus = min(2, torch.cuda.device_count())
+    vllm = vllm_installed()
     check_device(report)
     check_toolchain(report)
     check_uid(report)
@@ -697,12 +744,12 @@ def main(argv: list[str] | None = None) -> int:
     only = args.only or [*PIPELINES, "kimi"]
     try:
         workspaces = {
-            name: check_pipeline(name, report, tmp, gpus)
+            name: check_pipeline(name, report, tmp, gpus, vllm)
             for name in PIPELINES
             if name in only or (name == "mla" and "kimi" in only)
         }
         if "kimi" in only:
-            check_kimi(report, workspaces.get("mla"), gpus)
+            check_kimi(report, workspaces.get("mla"), gpus, vllm)
     finally:
         if args.keep:
             print(f"kept {tmp}")

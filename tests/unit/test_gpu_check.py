@@ -235,3 +235,70 @@ def test_tiny_int4_kimi_builds_on_cpu_as_kimi_is_laid_out(tmp_path: Path) -> Non
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     vllm_config = CompressedTensorsConfig.from_config(quant)
     assert vllm_config.get_name() == "compressed-tensors"
+
+
+def test_without_vllm_extract_is_hf_and_the_drafter_is_judged_offline() -> None:
+    from eagle3_pipeline.params import Params
+
+    for name in gc.PIPELINES:
+        params = Params.model_validate(gc.pipeline_params(name, 1, vllm=False))
+        assert params.extract.backend == "hf" and not params.evaluate.online
+        assert params.extract.store_dtype == "bf16"  # the rest of the shrink stays
+    assert gc.pipeline_params("llama", 1)["extract"]["backend"] == "vllm"
+
+
+def test_offline_detail_passes_only_a_drafter_better_than_untrained() -> None:
+    def evaluation(trained: float) -> dict:
+        return {
+            "offline": {
+                "trained": {"mean_acceptance_length": trained, "acceptance_rate": 0.5},
+                "untrained": {"mean_acceptance_length": 1.0},
+            },
+            "offline_run": {"device": "cuda", "dtype": "bfloat16"},
+        }
+
+    ok, detail = gc.offline_detail(evaluation(2.5))
+    assert ok and detail.startswith("simulated mean acceptance length 2.500 (untrained 1.000)")
+    assert "(cuda, bfloat16)" in detail
+    assert not gc.offline_detail(evaluation(1.0))[0]
+    assert not gc.offline_detail({})[0]
+
+
+def test_run_stage_keeps_an_existing_pythonpath_after_the_copy(monkeypatch, tmp_path) -> None:
+    """Wheels carried to a bare GPU box (PYTHONPATH) stay importable by every stage."""
+    seen = {}
+
+    def fake_run(cmd, cwd, env, **kwargs):
+        seen.update(env=env)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(gc.subprocess, "run", fake_run)
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")
+    gc.run_stage(tmp_path, "prepare", 10.0)
+    assert seen["env"]["PYTHONPATH"] == f"{tmp_path / 'src'}:/tmp/site"
+    monkeypatch.delenv("PYTHONPATH")
+    gc.run_stage(tmp_path, "prepare", 10.0)
+    assert seen["env"]["PYTHONPATH"] == str(tmp_path / "src")
+
+
+def test_without_vllm_every_vllm_check_is_skipped(monkeypatch, tmp_path, capsys) -> None:
+    """A failed setup names the no-vLLM checks; kimi/generate is SKIP, never run."""
+
+    def failing(ws, stage, timeout_s, params_file="params.yaml"):
+        raise gc.StageError(f"{stage} exited 1")
+
+    monkeypatch.setattr(gc, "run_stage", failing)
+    monkeypatch.setattr(gc, "copy_repo", lambda dst: dst.mkdir(parents=True) or dst)
+    report = gc.Report(60.0)
+    assert gc.check_pipeline("llama", report, tmp_path, 1, vllm=False) is None
+    monkeypatch.setattr(gc, "build_tiny_kimi_int4", lambda out, tok: {"a.weight_packed": [1, 1]})
+    gc.check_kimi(report, tmp_path, 1, vllm=False)
+    assert [x.split(":")[0] for x in report.lines] == [
+        "FAIL llama/setup",
+        "SKIP llama/extract-hf",
+        "SKIP llama/train-bf16",
+        "SKIP llama/acceptance-offline",
+        "PASS kimi/int4-checkpoint",
+        "SKIP kimi/generate",
+    ]
+    assert report.lines[-1] == f"SKIP kimi/generate: {gc.NO_VLLM}"
