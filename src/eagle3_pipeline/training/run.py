@@ -40,7 +40,7 @@ from eagle3_pipeline.training.metrics import MetricsCallback, metrics_tap
 from eagle3_pipeline.training.online_backend import split_backend_flags
 from eagle3_pipeline.training.speculators_patches import (
     StepControl,
-    apply_cpu_shims,
+    apply_shims,
     hidden_state_noise,
     lm_head_trainable,
     no_progress_bars,
@@ -182,7 +182,7 @@ def run_training(
     them races). Raises TrainingInterrupted when a signal stopped the run (rerunning resumes).
     """
     _check(s)
-    apply_cpu_shims()
+    apply_shims()
     if "LOCAL_RANK" not in os.environ:
         discard_incomplete(s.save_dir)
     from speculators.train.cli import main
@@ -235,7 +235,7 @@ def untrained_val(s: TrainSettings, scratch: Path) -> dict[str, float]:
     from speculators.train.cli import main
     from speculators.train.trainer import Trainer
 
-    apply_cpu_shims()
+    apply_shims()
     shutil.rmtree(scratch, ignore_errors=True)
     twin = dataclasses.replace(s, save_dir=scratch, init_from=None, online_flags=None)
     _write_draft_config(twin)
@@ -258,7 +258,7 @@ def untrained_val(s: TrainSettings, scratch: Path) -> dict[str, float]:
 def initial_drafter(s: TrainSettings, on_init_line: Callable[[str], None] = print) -> Any:
     """The drafter speculators' trainer starts from (step 0): built by its own
     `build_draft_model` from these settings, with the same init and lm_head patches."""
-    apply_cpu_shims()
+    apply_shims()
     from speculators.train.cli import build_draft_model, parse_vocab_mappings
 
     _write_draft_config(s)

@@ -1,9 +1,10 @@
 """Patches of speculators 0.9.0's trainer: CPU shims, and scoped training options it lacks.
 
-`apply_cpu_shims` fixes, once per process, the places that assume CUDA (a no-op on a CUDA
-machine). The context managers patch one `main()` call and undo it after: no progress bars,
-a trainable lm_head, noise on the hidden states, gradient accumulation with the grad-norm
-record. All patch internals by name, hence `check_version`.
+`apply_shims` fixes, once per process, the places that assume CUDA on a CPU machine, and on a
+CUDA machine the one place that fails under torch.compile. The context managers patch one
+`main()` call and undo it after: no progress bars, a trainable lm_head, noise on the hidden
+states, gradient accumulation with the grad-norm record. All patch internals by name,
+hence `check_version`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from eagle3_pipeline.drafter.flex_kernel import flex_attention_main_kernel
 
 PINNED_SPECULATORS = "0.9.0"
 
@@ -31,6 +34,34 @@ def check_version() -> None:
             f" against {PINNED_SPECULATORS}: install speculators=={PINNED_SPECULATORS} "
             "(constraints/) or re-check the shims and saved layout against the new version"
         )
+
+
+def apply_shims() -> None:
+    """The CPU shims on a CPU machine; on a CUDA machine, the two compile fixes."""
+    check_version()
+    if torch.cuda.is_available():
+        separate_fused_loss_configs()
+        flex_attention_main_kernel()
+    else:
+        apply_cpu_shims()
+
+
+def separate_fused_loss_configs() -> None:
+    """Give each of speculators' fused-loss Triton kernels its own autotune config list.
+
+    Both kernels are decorated by one `triton.autotune`, so their Autotuners share one `configs`
+    list. Dynamo refuses a list reached from two globals when it traces the loss's forward and
+    backward inside the compiled `compute_metrics` (`ListVariable ... is already tracked for
+    mutation`), which failed the first training step on an H200 (torch 2.11, `make gpu-check`).
+    The kernels, configs and autotuning are unchanged; only the list objects differ.
+    """
+    try:
+        from speculators.losses import fused
+    except ImportError:  # no Triton: speculators itself refuses the fused loss
+        return
+    kernels = (fused.loss_forward_kernel, fused.loss_backward_kernel)
+    if kernels[0].configs is kernels[1].configs:
+        kernels[1].configs = list(kernels[1].configs)
 
 
 def apply_cpu_shims() -> None:

@@ -28,6 +28,22 @@ def test_check_version_rejects_other(monkeypatch: pytest.MonkeyPatch) -> None:
         sp.apply_cpu_shims()
 
 
+def test_fused_loss_kernels_get_their_own_config_lists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Upstream, both Triton kernels share one autotune list, which Dynamo refuses on a GPU."""
+    fused = pytest.importorskip("speculators.losses.fused")
+    fwd, bwd = fused.loss_forward_kernel, fused.loss_backward_kernel
+    monkeypatch.setattr(bwd, "configs", fwd.configs)  # as speculators 0.9.0 builds them
+    tiles = [(c.kwargs, c.num_warps) for c in fwd.configs]
+    sp.separate_fused_loss_configs()
+    assert fwd.configs is not bwd.configs
+    assert [(c.kwargs, c.num_warps) for c in bwd.configs] == tiles
+    assert [(c.kwargs, c.num_warps) for c in fwd.configs] == tiles
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bwd, "configs", fwd.configs)
+    sp.apply_shims()  # on a CUDA machine apply_shims is this fix
+    assert fwd.configs is not bwd.configs
+
+
 @pytest.mark.slow
 def test_train_lm_head(inputs: dict[str, Any], tmp_path: Path) -> None:
     from speculators.models.eagle3.core import Eagle3DraftModel
