@@ -121,6 +121,26 @@ def _build_model(tiny: TinyVerifierParams, tokenizer, seed: int):
     return LlamaForCausalLM(config)
 
 
+ONE_CYCLE_MIN_STEPS = 40  # 5% warm-up is then >= 2 steps
+
+
+def lr_schedule(opt, max_lr: float, steps: int):
+    """One cycle with 5% warm-up; under ONE_CYCLE_MIN_STEPS, a linear decay from max_lr.
+
+    torch's OneCycleLR divides by the warm-up's length in steps minus one: at 20 steps that is
+    0 and it raises ZeroDivisionError, and at fewer the warm-up is negative.
+    """
+    import torch
+
+    if steps >= ONE_CYCLE_MIN_STEPS:
+        return torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=max_lr, total_steps=steps, pct_start=0.05
+        )
+    for group in opt.param_groups:
+        group["lr"] = max_lr  # LambdaLR scales the lr the group holds now
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 - step / max(steps, 1))
+
+
 def _train(model, stream: list[int], tiny: TinyVerifierParams, seed: int) -> tuple[float, float]:
     """A minute of AdamW on random windows of the corpus: enough for answers with structure."""
     import torch
@@ -129,9 +149,7 @@ def _train(model, stream: list[int], tiny: TinyVerifierParams, seed: int) -> tup
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=tiny.train_lr, weight_decay=0.0)
     steps, seq = tiny.train_steps, tiny.train_seq_len
-    sched = torch.optim.lr_scheduler.OneCycleLR(
-        opt, max_lr=tiny.train_lr, total_steps=max(steps, 1), pct_start=0.05
-    )
+    sched = lr_schedule(opt, tiny.train_lr, steps)
     model.train()
     first = last = float("nan")
     progress = Progress(STAGE, steps, unit="steps", every_s=10.0)
