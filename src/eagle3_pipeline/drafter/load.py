@@ -69,8 +69,9 @@ def _config(path: Path, verifier_path: str | Path):  # -> Eagle3SpeculatorConfig
 
 def _bind_local(config, path: Path, verifier_path: str | Path):
     """`config` with this machine's attention kernels and the run's local verifier directory."""
-    config.transformer_layer_config._attn_implementation = attn_impl()  # noqa: SLF001
-    if attn_impl() == "simple_flex_attention":
+    impl = attn_impl()
+    config.transformer_layer_config._attn_implementation = impl  # noqa: SLF001
+    if impl == "simple_flex_attention":
         flex_attention_main_kernel()  # short samples would take flex-decoding and fail
     if not (Path(verifier_path) / "config.json").is_file():
         raise CheckpointError(

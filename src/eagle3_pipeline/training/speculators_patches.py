@@ -1,7 +1,7 @@
 """Patches of speculators 0.9.0's trainer: CPU shims, and scoped training options it lacks.
 
 `apply_shims` fixes, once per process, the places that assume CUDA on a CPU machine, and on a
-CUDA machine the one place that fails under torch.compile. The context managers patch one
+CUDA machine the two places that fail under torch.compile. The context managers patch one
 `main()` call and undo it after: no progress bars, a trainable lm_head, noise on the hidden
 states, gradient accumulation with the grad-norm record. All patch internals by name,
 hence `check_version`.
