@@ -199,8 +199,10 @@ def run_stage(
     seconds = time.monotonic() - t0
     if proc.returncode != 0:
         (workspace / f"{stage}.log").write_text(proc.stdout + proc.stderr)
-        tail = [x for x in (proc.stdout + proc.stderr).splitlines() if x.strip()][-1:]
-        raise StageError(f"{stage} exited {proc.returncode}: {' '.join(tail)[:300]}")
+        lines = [x for x in (proc.stdout + proc.stderr).splitlines() if x.strip()]
+        # The stage's own `error: ...` line, not the traceback or hint printed after it.
+        reason = ([x for x in lines if x.startswith("error:")] or lines)[-1:]
+        raise StageError(f"{stage} exited {proc.returncode}: {' '.join(reason)[:300]}")
     return seconds
 
 

@@ -302,3 +302,27 @@ def test_without_vllm_every_vllm_check_is_skipped(monkeypatch, tmp_path, capsys)
         "SKIP kimi/generate",
     ]
     assert report.lines[-1] == f"SKIP kimi/generate: {gc.NO_VLLM}"
+
+
+def test_a_failed_stage_names_its_error_line(monkeypatch, tmp_path) -> None:
+    """The `error:` line, not the hint or the compiler's context printed after it."""
+    out = (
+        "[train] epoch 1\nerror: train failed: AssertionError: ListVariable(length=21) is "
+        "already tracked\n\nfrom user code:\n  File x.py\n (rerun with --debug for the traceback)\n"
+    )
+    monkeypatch.setattr(
+        gc.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", out)
+    )
+    with pytest.raises(gc.StageError) as e:
+        gc.run_stage(tmp_path, "train", 10.0)
+    assert str(e.value) == (
+        "train exited 1: error: train failed: AssertionError: ListVariable(length=21) is "
+        "already tracked"
+    )
+    assert (tmp_path / "train.log").read_text() == out
+    plain = "just a last line\n"
+    monkeypatch.setattr(
+        gc.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 2, plain, "")
+    )
+    with pytest.raises(gc.StageError, match="exited 2: just a last line$"):
+        gc.run_stage(tmp_path, "train", 10.0)
