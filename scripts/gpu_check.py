@@ -24,8 +24,9 @@ One line per check, `PASS|FAIL|SKIP <check>: <numbers>`, in this order:
 Each pipeline runs in a temp copy of the repo's tracked files (deleted unless `--keep`). A check
 whose input failed prints SKIP with the reason; checks past the time budget print SKIP (budget).
 Where vLLM is not installed (a bare GPU box with torch; docs/gpus.md), every vLLM check prints
-SKIP and the rest still runs on the GPU: extract with the HF backend (`*/extract-hf`), training,
-and the offline acceptance of the trained drafter (`*/acceptance-offline`).
+SKIP and the rest still runs: extract with the HF backend (in-process, on the CPU:
+`*/extract-hf`), then training and the trained drafter's offline acceptance on the GPU
+(`*/acceptance-offline`).
 Exit 0 when every check passed, 1 otherwise, 2 on a machine without CUDA (one line).
 `--plan [--gpus N]` prints the checks it would run and their commands and configs, on any machine.
 """
@@ -274,7 +275,7 @@ def check_pipeline(
         extract_s = run_stage(ws, "extract", report.left_s())
         manifest = json.loads((ws / "data/hidden_states/manifest.json").read_text())
         n = int(manifest["num_tokens"])
-        how = "stock ExampleHiddenStatesConnector" if vllm else "HF backend"
+        how = "stock ExampleHiddenStatesConnector" if vllm else "HF backend (CPU)"
         report.put(
             "PASS",
             f"{name}/{extract}",
