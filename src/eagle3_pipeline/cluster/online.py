@@ -40,6 +40,7 @@ from eagle3_pipeline.errors import ParamsError, ServerError
 from eagle3_pipeline.params import ClusterParams, OnlineParams, Params
 from eagle3_pipeline.progress import log
 from eagle3_pipeline.serving import auth
+from eagle3_pipeline.serving.server import cpu_worker_in_engine_core
 from eagle3_pipeline.training.online import ENDPOINTS_VAR, OnlineSource
 from eagle3_pipeline.training.online import trainer_env as online_trainer_env
 from eagle3_pipeline.training.online_backend import LOCAL_HOSTNAME_VAR
@@ -152,8 +153,6 @@ def serving_nodes(
     cluster, the master expired one server's client and its puts were lost) and any GPU server
     (not run yet). Our CPU servers keep the worker inside the engine core process by default
     (serving/server.py), and two of them serve."""
-    from eagle3_pipeline.serving.server import cpu_worker_in_engine_core
-
     own_worker_process = num_gpus > 0 or not cpu_worker_in_engine_core(env)
     return inference[:1] if mooncake and own_worker_process else list(inference)
 

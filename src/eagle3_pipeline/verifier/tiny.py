@@ -136,8 +136,7 @@ def lr_schedule(opt, max_lr: float, steps: int):
         return torch.optim.lr_scheduler.OneCycleLR(
             opt, max_lr=max_lr, total_steps=steps, pct_start=0.05
         )
-    for group in opt.param_groups:
-        group["lr"] = max_lr  # LambdaLR scales the lr the group holds now
+    # LambdaLR scales the lr `opt` was built with: max_lr.
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 - step / max(steps, 1))
 
 
