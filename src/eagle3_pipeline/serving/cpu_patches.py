@@ -26,18 +26,29 @@ server process, so the server adds `--worker-extension-cls` naming a class of
 `cpu_mla_worker` (MLA) or `mla_drafter_worker` (MLA + drafter), which vLLM imports in each
 worker before it builds the model, and that import applies the patches. The in-process engine
 of extract calls `patch_in_process`.
+
+`inspect_models_in_process`: every server and engine on CPU. vLLM inspects a model class it has
+not cached yet (`VLLM_CACHE_ROOT/modelinfos`) in a subprocess, only so that importing the model
+cannot initialize CUDA in the server (`model_executor/models/registry.py`); that subprocess imports
+torch and vLLM once more: 17 s of a 2-core server's start-up, once per architecture (verifier,
+extraction model, drafter) in a fresh workspace. The CPU platform has no CUDA to protect, and the
+process has both imported already, so the class is inspected in it; the result and the cache
+file are the same.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from eagle3_pipeline.verifier import identity as vf
 
 BLOCK_SIZE = 16  # the CPU MLA kernel's only block size (csrc/cpu/mla_decode.cpp)
 MLA_WORKER = "eagle3_pipeline.serving.cpu_mla_worker.CpuMlaRope"
 MLA_DRAFTER_WORKER = "eagle3_pipeline.serving.mla_drafter_worker.MlaDrafterBlockSize"
+_T = TypeVar("_T")
 
 
 def fix_cpu_rope_multihead() -> None:
@@ -116,8 +127,21 @@ def needs_mla_drafter_pairing(args: list[str], on_cpu: bool) -> bool:
 def patch_in_process(model: str, on_cpu: bool | None = None) -> None:
     """The patches for an engine that runs in this process (extract), where they apply."""
     on_cpu = on_cpu_platform() if on_cpu is None else on_cpu
+    if on_cpu:
+        inspect_models_in_process()
     if serves_mla_on_cpu(model, on_cpu):
         fix_cpu_rope_multihead()
+
+
+def inspect_models_in_process() -> None:
+    """On CPU: vLLM's model-class inspection in this process, not in a subprocess."""
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = _call
+
+
+def _call(fn: Callable[[], _T]) -> _T:
+    return fn()
 
 
 def on_cpu_platform() -> bool:

@@ -395,7 +395,8 @@ def _run_vllm(module: str, args: list[str]) -> None:
     scan runs in this process) and, only for an MLA verifier with a drafter on CPU, the
     block-size pairing of `cpu_patches` (which also reaches the engine's worker). On CPU the
     worker runs inside the engine core process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set),
-    and that process is forked (`_fork_engine_core`)."""
+    that process is forked (`_fork_engine_core`), and model classes are inspected in this
+    process (`cpu_patches.inspect_models_in_process`)."""
     from eagle3_pipeline.serving import cpu_patches
 
     if cpu_patches.on_cpu_platform():
@@ -407,6 +408,7 @@ def _run_vllm(module: str, args: list[str]) -> None:
         os.environ.setdefault(MULTIPROCESSING_VAR, "0")
         if cpu_worker_in_engine_core(os.environ):
             _fork_engine_core()
+        cpu_patches.inspect_models_in_process()
     patch_cpu_kernel_rebind()
     args = cpu_patches.server_args_with_patches(args)
     sys.argv = [module, *args]

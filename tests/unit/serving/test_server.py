@@ -99,6 +99,7 @@ def test_a_cpu_server_runs_its_worker_in_the_engine_process_unless_the_user_says
     monkeypatch.setattr(cpu_patches, "on_cpu_platform", lambda: on_cpu)
     monkeypatch.setattr(srv, "patch_cpu_kernel_rebind", lambda: None)
     monkeypatch.setattr(cpu_patches, "server_args_with_patches", lambda args: args)
+    monkeypatch.setattr(cpu_patches, "inspect_models_in_process", lambda: None)
     monkeypatch.setattr(srv.runpy, "run_module", lambda m, **kw: ran.append((m, sys.argv[1:])))
     forked: list[bool] = []
     monkeypatch.setattr(srv, "_fork_engine_core", lambda: forked.append(True))
@@ -137,6 +138,7 @@ def test_a_cpu_server_forks_its_engine_core_only_with_the_uni_executor(
     monkeypatch.setattr(cpu_patches, "on_cpu_platform", lambda: True)
     monkeypatch.setattr(srv, "patch_cpu_kernel_rebind", lambda: None)
     monkeypatch.setattr(cpu_patches, "server_args_with_patches", lambda args: args)
+    monkeypatch.setattr(cpu_patches, "inspect_models_in_process", lambda: None)
     monkeypatch.setattr(srv.runpy, "run_module", lambda m, **kw: None)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     srv._run_vllm("vllm.entrypoints.openai.api_server", ["--model", "m"])
