@@ -31,7 +31,7 @@ endif
 # is set, every process would otherwise compile what it imports, e.g. 15 s instead of 7 s for
 # vLLM's server on 2 cores, in every stage, server and test.
 FIND_LINKS ?= $(shell python3 -m pip config get global.find-links 2>/dev/null)
-$(STAMP): locks/cpu.txt locks/build.txt pyproject.toml
+$(STAMP): locks/cpu.txt locks/build.txt pyproject.toml Makefile  # a recipe change reaches old venvs
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -qq --no-deps --require-hashes -r locks/build.txt
 	$(BIN)/uv pip sync -q --compile-bytecode --python $(PY) --require-hashes --no-build-isolation \

@@ -159,6 +159,15 @@ def test_everything_the_project_imports_is_locked() -> None:
     assert {"vllm", "speculators", "torch", "dvclive"} <= _imported_top_level_modules()
 
 
+@pytest.mark.parametrize("module", ["vllm", "torch", "transformers", "speculators"])
+def test_the_venv_imports_compiled_bytecode(module: str) -> None:
+    """`make venv` compiles site-packages: under PYTHONDONTWRITEBYTECODE (set on the development
+    machines) every process would otherwise compile what it imports, vLLM's server twice over."""
+    source = importlib.util.find_spec(module).origin
+    cached = Path(importlib.util.cache_from_source(source))
+    assert cached.is_file(), f"{module}: no bytecode next to {source}; rerun `make venv`"
+
+
 def test_torch_companions_decision() -> None:
     """The image keeps torchvision/torchaudio/torchcodec as vllm 0.32.0 requires them (exact
     torchvision for torch's release, torchaudio 2.11.0 on torch's stable ABI); the CPU env has
