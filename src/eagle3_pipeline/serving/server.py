@@ -202,15 +202,18 @@ def _sweep_on_eof(orphaned: threading.Event, grace_s: float = 20.0) -> None:
     os.killpg(0, signal.SIGKILL)  # a server deaf to SIGTERM, this watchdog included
 
 
-def _die_with_watchdog() -> None:
+def _die_with_watchdog(watchdog_pid: int) -> None:
     """In the server's process: SIGTERM when the watchdog dies, however it dies (a Ray worker's
     exit SIGKILLs the worker's children, the watchdog among them, before it can sweep). SIGTERM,
     not SIGKILL: vLLM then ends its EngineCore and workers itself (measured: all gone within
-    8 s); a SIGKILLed API server leaves them running."""
+    8 s); a SIGKILLed API server leaves them running. A watchdog that died between the fork and
+    the prctl sends nothing: then the server ends before it starts."""
     import ctypes
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != watchdog_pid:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _watch(cmd: list[str]) -> int:
@@ -218,7 +221,10 @@ def _watch(cmd: list[str]) -> int:
     # A handler, not SIG_IGN: ignored signals stay ignored across exec, handlers do not. The
     # group's SIGTERM is meant for vLLM; this process exits when vLLM does.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=_die_with_watchdog)
+    watchdog = os.getpid()
+    child = subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, preexec_fn=lambda: _die_with_watchdog(watchdog)
+    )
     orphaned = threading.Event()
     threading.Thread(target=_sweep_on_eof, args=(orphaned,), daemon=True).start()
     code = child.wait()

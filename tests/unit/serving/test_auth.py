@@ -6,6 +6,7 @@ tests/e2e/test_cluster_generate.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 from pathlib import Path
 
@@ -98,6 +99,15 @@ def test_free_port_tries_its_range_in_steps() -> None:
     assert vllm_server.free_port("127.0.0.1", taken, 3) == taken
 
 
+def _running(pids: set[int], needle: str) -> int | None:
+    """The first of `pids` whose command line (after its exec) contains `needle`."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if needle.encode() in (Path("/proc") / str(pid) / "cmdline").read_bytes():
+                return pid
+    return None
+
+
 def test_the_server_dies_with_its_watchdog_however_the_watchdog_dies() -> None:
     """Ray SIGKILLs a dead worker's children (the watchdog) before the watchdog can sweep its
     group: the server must not be orphaned then."""
@@ -116,10 +126,13 @@ def test_the_server_dies_with_its_watchdog_however_the_watchdog_dies() -> None:
         env=os.environ | {TAG_VAR: tag},
         start_new_session=True,
     )
+    # Until the server runs its own command: between the fork and the exec the kernel may show
+    # its environment empty for a moment, and a killed watchdog's signal is not armed yet.
     deadline = time.monotonic() + 30
-    while len(tagged_pids(tag)) < 2 and time.monotonic() < deadline:
+    while not (server := _running(set(tagged_pids(tag)) - {proc.pid}, "time.sleep(600)")):
+        assert time.monotonic() < deadline, f"no server within 30 s: {tagged_pids(tag)}"
         time.sleep(0.1)
-    assert len(tagged_pids(tag)) == 2
+    assert set(tagged_pids(tag)) == {proc.pid, server}
     os.kill(proc.pid, signal.SIGKILL)  # the watchdog alone, not its group
     proc.wait()
     assert wait_none_tagged(tag, 10) == []

@@ -56,6 +56,21 @@ def test_watchdog_exits_with_the_server_code() -> None:
     proc.stdin.close()
 
 
+@pytest.mark.parametrize(("parent_is_the_watchdog", "code"), [(True, 0), (False, -signal.SIGTERM)])
+def test_a_server_whose_watchdog_died_before_it_was_armed_ends(
+    parent_is_the_watchdog: bool, code: int
+) -> None:
+    """A watchdog killed between the fork and the prctl arms no death signal: the server, no
+    longer the watchdog's child, ends itself before it runs."""
+    from eagle3_pipeline.serving import server as srv
+
+    watchdog = os.getpid() if parent_is_the_watchdog else os.getpid() + 10**7  # no such process
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "pass"], preexec_fn=lambda: srv._die_with_watchdog(watchdog)
+    )
+    assert proc.wait(timeout=30) == code
+
+
 def test_kernel_rebind_scan_skips_objects_whose_lookup_raises() -> None:
     """vLLM's CPU kernel scan visits every module global: a proxy that raises on lookup
     (werkzeug's, once moto/flask is imported) or a non-mapping __dict__ (llvmlite) is skipped."""
