@@ -39,16 +39,13 @@ file are the same.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 from eagle3_pipeline.verifier import identity as vf
 
 BLOCK_SIZE = 16  # the CPU MLA kernel's only block size (csrc/cpu/mla_decode.cpp)
 MLA_WORKER = "eagle3_pipeline.serving.cpu_mla_worker.CpuMlaRope"
 MLA_DRAFTER_WORKER = "eagle3_pipeline.serving.mla_drafter_worker.MlaDrafterBlockSize"
-_T = TypeVar("_T")
 
 
 def fix_cpu_rope_multihead() -> None:
@@ -137,11 +134,7 @@ def inspect_models_in_process() -> None:
     """On CPU: vLLM's model-class inspection in this process, not in a subprocess."""
     from vllm.model_executor.models import registry
 
-    registry._run_in_subprocess = _call
-
-
-def _call(fn: Callable[[], _T]) -> _T:
-    return fn()
+    registry._run_in_subprocess = lambda fn: fn()
 
 
 def on_cpu_platform() -> bool:

@@ -207,13 +207,14 @@ def _die_with_watchdog(watchdog_pid: int) -> None:
     exit SIGKILLs the worker's children, the watchdog among them, before it can sweep). SIGTERM,
     not SIGKILL: vLLM then ends its EngineCore and workers itself (measured: all gone within
     8 s); a SIGKILLed API server leaves them running. A watchdog that died between the fork and
-    the prctl sends nothing: then the server ends before it starts."""
+    the prctl sends nothing: then the server ends before it starts (SIGKILL: until the exec this
+    process still has the watchdog's SIGTERM handler)."""
     import ctypes
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() != watchdog_pid:
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _watch(cmd: list[str]) -> int:

@@ -56,18 +56,23 @@ def test_watchdog_exits_with_the_server_code() -> None:
     proc.stdin.close()
 
 
-@pytest.mark.parametrize(("parent_is_the_watchdog", "code"), [(True, 0), (False, -signal.SIGTERM)])
+@pytest.mark.parametrize(("parent_is_the_watchdog", "code"), [(True, 0), (False, -signal.SIGKILL)])
 def test_a_server_whose_watchdog_died_before_it_was_armed_ends(
     parent_is_the_watchdog: bool, code: int
 ) -> None:
     """A watchdog killed between the fork and the prctl arms no death signal: the server, no
-    longer the watchdog's child, ends itself before it runs."""
+    longer the watchdog's child, ends itself before it runs, through the SIGTERM handler that
+    it inherits from the watchdog until its exec."""
     from eagle3_pipeline.serving import server as srv
 
-    watchdog = os.getpid() if parent_is_the_watchdog else os.getpid() + 10**7  # no such process
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "pass"], preexec_fn=lambda: srv._die_with_watchdog(watchdog)
-    )
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as _watch sets it
+    try:
+        watchdog = os.getpid() if parent_is_the_watchdog else os.getpid() + 10**7  # reparented
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "pass"], preexec_fn=lambda: srv._die_with_watchdog(watchdog)
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     assert proc.wait(timeout=30) == code
 
 
