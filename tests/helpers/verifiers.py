@@ -87,3 +87,17 @@ def _set_template(model: Path, template: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     tokenizer.chat_template = template
     tokenizer.save_pretrained(str(model))
+
+
+def mla_server_spec(verifier: Path, log_file: Path):
+    """How vLLM on CPU serves a tiny-dsv3 verifier: fp32, its language model alone, the CPU MLA
+    attention backend (a drafter's variant: evaluation.online.server_specs)."""
+    from eagle3_pipeline.serving.server import ServerSpec
+
+    return ServerSpec(
+        model=str(verifier),
+        log_file=log_file,
+        dtype="float32",
+        language_model_only=True,
+        extra_args=["--attention-backend", "CPU_MLA"],
+    )

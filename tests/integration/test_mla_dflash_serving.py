@@ -13,11 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from train_workspace import tiny_settings
+from verifiers import mla_server_spec
 
 from eagle3_pipeline.drafter.families import FamilyParams
 from eagle3_pipeline.evaluation import online as oe
-from eagle3_pipeline.serving.server import ServerSpec, serve_many
-from eagle3_pipeline.training.run import TrainSettings, initial_drafter
+from eagle3_pipeline.serving.server import serve_many
+from eagle3_pipeline.training.run import initial_drafter
 from eagle3_pipeline.verifier import identity as vf
 
 K = 3  # DFlash block 4 drafts 3 tokens per pass
@@ -28,28 +30,14 @@ def _dflash_drafter(verifier: Path, root: Path) -> Path:
     """An untrained DFlash drafter over the full vocab, reading vLLM's ids [1, 2] (id 0, the
     embeddings, vLLM cannot capture on DeepSeek-V3 models)."""
     vocab = int(vf.text_config(vf.read_config(verifier))["vocab_size"])
-    (root / "vocab").mkdir(parents=True)
-    np.save(root / "vocab/t2d.npy", np.ones(vocab, dtype=bool))
-    np.save(root / "vocab/d2t.npy", np.zeros(vocab, dtype=np.int64))
-    settings = TrainSettings(
-        data_dir=root / "store",  # not read: nothing is trained
+    np.save(root / "t2d.npy", np.ones(vocab, dtype=bool))
+    np.save(root / "d2t.npy", np.zeros(vocab, dtype=np.int64))
+    settings = tiny_settings(  # data_dir is not read: nothing is trained
+        {"root": root},
+        root,
         verifier_dir=verifier,
-        save_dir=root / "save",
-        d2t_path=root / "vocab/d2t.npy",
-        t2d_path=root / "vocab/t2d.npy",
         draft_vocab_size=vocab,
         target_layer_ids=[1, 2],
-        train_data_ratio=0.9,
-        epochs=1,
-        lr=1e-3,
-        scheduler="none",
-        warmup_ratio=0.0,
-        noise_std=0.0,
-        ttt_steps=1,
-        ttt_step_loss_decay=1.0,
-        total_seq_len=256,
-        seed=0,
-        num_workers=0,
         family=FamilyParams(name="dflash", block_size=K + 1, num_layers=1, mask_token_id=1),
         mask_token_id=1,
     )
@@ -64,13 +52,7 @@ def test_dflash_drafter_served_beside_mla_verifier_is_lossless(
     tiny_dsv3_verifier_dir: Path, tmp_path: Path
 ) -> None:
     drafter = _dflash_drafter(tiny_dsv3_verifier_dir, tmp_path)
-    base = ServerSpec(
-        model=str(tiny_dsv3_verifier_dir),
-        log_file=tmp_path / "vllm.log",
-        dtype="float32",
-        language_model_only=True,
-        extra_args=["--attention-backend", "CPU_MLA"],
-    )
+    base = mla_server_spec(tiny_dsv3_verifier_dir, tmp_path / "vllm.log")
     baseline_spec, dflash_spec = oe.server_specs(base, drafter, K, tmp_path, family="dflash")
     settings = oe.Settings(num_speculative_tokens=K, max_new_tokens=48, chat_template_kwargs={})
     conversations = [[{"role": "user", "content": p}] for p in PROMPTS]

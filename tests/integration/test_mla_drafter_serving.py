@@ -22,6 +22,7 @@ import pytest
 import torch
 from drafter_fixtures import build_drafter, save_legacy_flat
 from safetensors.torch import load_file, save_file
+from verifiers import mla_server_spec
 
 from eagle3_pipeline.errors import ServerError
 from eagle3_pipeline.evaluation import offline
@@ -160,13 +161,7 @@ def served(verifier: Path, drafters: dict, tmp_path_factory: pytest.TempPathFact
     """The baseline and both drafters' servers, started at once (start-up is mostly
     single-threaded imports) and measured one at a time."""
     logs = tmp_path_factory.mktemp("logs")
-    base = ServerSpec(
-        model=str(verifier),
-        log_file=logs / "vllm.log",
-        dtype="float32",
-        language_model_only=True,
-        extra_args=["--attention-backend", "CPU_MLA"],
-    )
+    base = mla_server_spec(verifier, logs / "vllm.log")
     baseline_spec, right_spec = oe.server_specs(base, drafters["right"], K, logs / "right")
     _, shifted_spec = oe.server_specs(base, drafters["shifted"], K, logs / "shifted")
     runs: dict[str, oe.RunResult] = {}
