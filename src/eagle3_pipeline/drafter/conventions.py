@@ -225,6 +225,11 @@ def resolve(
     if init is None:
         flags = {k: TRAINER_DEFAULT_FLAGS[k] if v is None else v for k, v in explicit.items()}
         sources = {k: "speculators default" if v is None else "params" for k, v in explicit.items()}
+        # A family that is defined by its wiring (EAGLE-3.1) sets it over train.flags, which
+        # every families branch shares with train's drafter.
+        family = params.train.family
+        flags |= family.wiring()
+        sources |= {k: f"family {family.name}" for k in family.wiring()}
         _check_flags(flags, where)
         return RunConventions(aux, final, flags, sources)
     config, file = init

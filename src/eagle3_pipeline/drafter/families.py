@@ -1,12 +1,14 @@
 """Drafter families the train stage builds with speculators' trainer, and their knobs.
 
-A family is a `--speculator-type` of speculators 0.9 that vLLM 0.32 also serves, trained from
-the same hidden-state files: `eagle3` (chained drafting: one pass per draft token), `peagle`
-(P-EAGLE: EAGLE-3's drafter trained to draft `num_depths` tokens in one parallel pass) and
-`dflash` (block diffusion: a small Qwen3-style stack drafts a block of `block_size` tokens in
-one non-causal pass). P-EAGLE and DFlash feed a mask token in the positions they draft, which
-must be one the verifier never emits (drafter.mask_token). EAGLE-3.1 is not a type in either
-installed library, so it is refused by name rather than trained as something else.
+A family is a drafter speculators 0.9 trains and vLLM 0.32 serves, from the same hidden-state
+files: `eagle3` (chained drafting: one pass per draft token), `eagle3.1` (EAGLE-3 with the two
+norms of the EAGLE-3.1 paper: one per aux layer before fc, `fc_norm`, and the post-norm state
+chained to the next step, `norm_output`; speculators' `eagle3` type, vLLM's `eagle3` method,
+both reading those config flags), `peagle` (P-EAGLE: EAGLE-3's drafter trained to draft
+`num_depths` tokens in one parallel pass) and `dflash` (block diffusion: a small Qwen3-style
+stack drafts a block of `block_size` tokens in one non-causal pass). P-EAGLE and DFlash feed a
+mask token in the positions they draft, which must be one the verifier never emits
+(drafter.mask_token).
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-FamilyName = Literal["eagle3", "peagle", "dflash"]
+FamilyName = Literal["eagle3", "eagle3.1", "peagle", "dflash"]
 
 # The knobs each family reads; any other knob set on a family is refused (it would be ignored).
 KNOBS: dict[str, frozenset[str]] = {
     "eagle3": frozenset(),
+    "eagle3.1": frozenset({"fc_norm", "norm_output"}),
     "peagle": frozenset(
         {"mask_token_id", "num_depths", "down_sample_ratio", "down_sample_ratio_min", "max_anchors"}
     ),
@@ -29,21 +32,22 @@ KNOBS: dict[str, frozenset[str]] = {
 # How a family drafts k tokens: one forward pass per token, or all of them in one pass.
 DRAFTING: dict[str, Literal["chained", "parallel"]] = {
     "eagle3": "chained",
+    "eagle3.1": "chained",
     "peagle": "parallel",
     "dflash": "parallel",
 }
-_NOT_INSTALLED = {
-    "eagle3.1": "EAGLE-3.1 is neither a speculator type of speculators 0.9.0 nor a method of "
-    "vLLM 0.32 (the locked versions): use eagle3, peagle or dflash",
-}
+# Knobs that are EAGLE-3 wiring flags (train.flags' names): they reach the trainer, the export
+# check and the simulation through the run's conventions (drafter.conventions), not as knobs.
+WIRING_KNOBS = frozenset({"fc_norm", "norm_output"})
 
 
 class FamilyParams(BaseModel):
     """`train.family` or a `families` entry: a drafter family and the knobs of that family only.
 
     null knobs keep speculators' defaults (P-EAGLE: 8 depths, COD ratios 0.7 / 0.2; DFlash:
-    block 16, 5 layers; both: 512 anchors per sequence). mask_token_id null: the tokenizer's
-    mask token, else the first embedding row no tokenizer id uses (drafter.mask_token).
+    block 16, 5 layers; both: 512 anchors per sequence) or, for EAGLE-3.1, the paper's
+    (fc_norm and norm_output true). mask_token_id null: the tokenizer's mask token, else the
+    first embedding row no tokenizer id uses (drafter.mask_token).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -56,13 +60,8 @@ class FamilyParams(BaseModel):
     max_anchors: int | None = Field(None, ge=1)
     block_size: int | None = Field(None, ge=2)
     num_layers: int | None = Field(None, ge=1)
-
-    @field_validator("name", mode="before")
-    @classmethod
-    def _known(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.lower() in _NOT_INSTALLED:
-            raise ValueError(_NOT_INSTALLED[value.lower()])
-        return value
+    fc_norm: bool | None = None
+    norm_output: bool | None = None
 
     @model_validator(mode="after")
     def _own_knobs(self) -> FamilyParams:
@@ -81,7 +80,22 @@ class FamilyParams(BaseModel):
 
     @property
     def speculator_type(self) -> str:
-        return self.name
+        """speculators' `--speculator-type` (and the model class a training step calls)."""
+        return "eagle3" if self.name == "eagle3.1" else self.name
+
+    def wiring(self) -> dict[str, bool]:
+        """The EAGLE-3 wiring flags (train.flags' names) this family fixes; {}: train.flags'.
+
+        EAGLE-3.1 normalizes each aux layer before fc instead of their concatenation (the two
+        are exclusive in speculators and vLLM) and chains the post-norm state.
+        """
+        if self.name != "eagle3.1":
+            return {}
+        return {
+            "norm_before_fc": False,
+            "fc_norm": True if self.fc_norm is None else self.fc_norm,
+            "norm_output": True if self.norm_output is None else self.norm_output,
+        }
 
     @property
     def uses_mask_token(self) -> bool:

@@ -232,21 +232,21 @@ def _val_samples(
 
 
 def simulate_family(params: Params, name: str, drafter_dir: Path, own: list[int]) -> dict[str, Any]:
-    """eval.json's offline keys of a branch, simulated as its family drafts (EAGLE-3 chained:
-    evaluation.offline; DFlash and P-EAGLE one pass per draft: evaluation.parallel_offline) on
-    the store's val samples and its own layers `own`."""
+    """eval.json's offline keys of a branch, simulated as its family drafts (EAGLE-3 and 3.1
+    chained: evaluation.offline; DFlash and P-EAGLE one pass per draft:
+    evaluation.parallel_offline) on the store's val samples and its own layers `own`."""
     config = vf.text_config(vf.read_config(params.verifier.path))
     manifest = store.read_manifest(STORE_DIR)
     positions = store.check_layout(manifest, own, int(config["num_hidden_layers"]), STORE_DIR)
     val, whole, same = _val_samples(params, manifest)
     path, placement = params.verifier.path, drafter.compute_placement()
-    family = families.entry(params.families, name).name
-    if family == "eagle3":
+    family = families.entry(params.families, name)
+    if family.speculator_type == "eagle3":  # EAGLE-3 and 3.1: its flags are in its config
         models = {"trained": drafter.load_drafter(drafter_dir, path, *placement)}
         matches = offline.draft_matches
     else:
-        loaded = drafter.load_parallel_drafter(drafter_dir, path, *placement, family=family)
-        models, matches = {"trained": loaded}, parallel_offline.MATCHES[family]
+        loaded = drafter.load_parallel_drafter(drafter_dir, path, *placement, family=family.name)
+        models, matches = {"trained": loaded}, parallel_offline.MATCHES[family.name]
     sim = _simulate(params, config, models, (val, positions), whole, same, matches)
     trained = sim.whole["trained"].summary()
     result: dict[str, Any] = {"offline": {"trained": trained}}

@@ -34,13 +34,14 @@ OUTPUT_DIR = paths.DRAFTER
 
 def run(params: Params) -> None:
     family = params.train.family.name
-    if family != "eagle3":
+    if params.train.family.speculator_type != "eagle3":
         # Its checkpoint is trained and kept (data/trained); export checks and evaluate
-        # simulates EAGLE-3's drafter only, so they refuse rather than pass a wrong drafter on.
+        # simulates EAGLE-3's drafter only (3.1 is one, other flags), so they refuse rather
+        # than pass a wrong drafter on.
         raise ParamsError(
-            f"params.yaml: field 'train.family.name': export and evaluate handle eagle3 only, "
-            f"and {family} was trained (its checkpoint is in {paths.TRAINED}): stop after "
-            "train (`dvc repro train`) or set train.family.name: eagle3"
+            "params.yaml: field 'train.family.name': export and evaluate handle eagle3 and "
+            f"eagle3.1 only, and {family} was trained (its checkpoint is in {paths.TRAINED}): "
+            "stop after train (`dvc repro train`) or set train.family.name: eagle3"
         )
     n_layers, _, _ = vf.shape(vf.read_config(params.verifier.path))
     conventions = run_conventions(params, n_layers)

@@ -1,5 +1,5 @@
-"""train.family: each family's knobs only, EAGLE-3.1 refused by name, and the trainer flags each
-family gets (EAGLE-3's exactly as before the families existed)."""
+"""train.family: each family's knobs only, the trainer flags each family gets (EAGLE-3's exactly
+as before the families existed), and EAGLE-3.1's wiring reaching the run's conventions."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ from typing import Any
 import pytest
 import yaml
 
+from eagle3_pipeline.drafter.conventions import resolve
 from eagle3_pipeline.drafter.families import FamilyParams
 from eagle3_pipeline.errors import ParamsError
-from eagle3_pipeline.params import load_params
+from eagle3_pipeline.params import Params, load_params
+from eagle3_pipeline.stages.train import family_branch
 from eagle3_pipeline.training.family_flags import draft_model_class, trainer_flags
 
 
@@ -24,7 +26,8 @@ def _load(tmp_path: Path, train: dict[str, Any]) -> Any:
 @pytest.mark.parametrize(
     ("family", "message"),
     [
-        ({"name": "eagle3.1"}, "EAGLE-3.1 is neither a speculator type of speculators 0.9.0"),
+        ({"name": "eagle3", "fc_norm": True}, "fc_norm is a knob of eagle3.1, not of family eagle3"),
+        ({"name": "peagle", "norm_output": False}, "norm_output is a knob of eagle3.1"),
         ({"name": "medusa"}, "'train.family.name'"),
         ({"name": "eagle3", "mask_token_id": 5}, "mask_token_id is a knob of peagle and dflash"),
         (
@@ -70,3 +73,35 @@ def test_trainer_flags() -> None:
         trainer_flags(FamilyParams(name="peagle"), None)
     with pytest.raises(ValueError, match="no drafter type 'eagle4'"):
         draft_model_class("eagle4")
+
+
+def test_eagle3_1_is_eagle3_with_its_wiring() -> None:
+    """speculators' eagle3 type, chained, no mask token; its knobs are wiring, not trainer
+    flags (they reach speculators through the conventions, below)."""
+    e31 = FamilyParams(name="eagle3.1")
+    assert (e31.speculator_type, e31.drafting, e31.uses_mask_token) == ("eagle3", "chained", False)
+    assert e31.wiring() == {"norm_before_fc": False, "fc_norm": True, "norm_output": True}
+    ablated = FamilyParams(name="eagle3.1", norm_output=False)
+    assert ablated.wiring()["norm_output"] is False and ablated.knobs() == {"norm_output": False}
+    assert trainer_flags(ablated, None) == {"speculator_type": "eagle3", "mask_token_id": 0}
+    assert FamilyParams().wiring() == {} and FamilyParams(name="peagle").wiring() == {}
+
+
+def test_eagle3_1_branch_sets_its_flags_over_train_flags() -> None:
+    """A families branch shares train.flags with train's drafter: an eagle3.1 branch takes the
+    paper's norms over them (and says so), keeps the others, and train's drafter keeps its own."""
+    flags = {"norm_before_residual": False, "norm_before_fc": True, "norm_output": False}
+    params = Params.model_validate(
+        {"train": {"flags": flags}, "families": {"e31": {"name": "eagle3.1"}}}
+    )
+    branch, _ = family_branch(params, "e31")
+    conv = resolve(branch, 8, None)
+    assert conv.flags == {
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": True,
+        "norm_output": True,
+    }
+    assert conv.sources["fc_norm"] == "family eagle3.1"
+    assert conv.sources["norm_before_residual"] == "params"
+    assert resolve(params, 8, None).flags == flags | {"fc_norm": False}
