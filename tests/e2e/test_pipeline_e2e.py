@@ -76,19 +76,28 @@ def test_metrics_are_sane(pipeline: Path) -> None:
 
 
 def test_family_branches(pipeline: Path) -> None:
-    """P-EAGLE and DFlash trained from the same store as branches, their val metrics numbered
-    alike beside train's in `dvc metrics show`; an entry's edit reruns its branch alone."""
+    """EAGLE-3.1, P-EAGLE and DFlash trained from the same store as branches, their val metrics
+    numbered alike beside train's in `dvc metrics show`; an entry's edit reruns its branch alone."""
     shown = json.loads(run_in(pipeline, "dvc", "metrics", "show", "--json"))
     files = next(iter(shown.values()))["data"]
-    for name, kind in (("peagle", "peagle"), ("dflash", "dflash")):
+    for name, kind in (("eagle3_1", "eagle3.1"), ("peagle", "peagle"), ("dflash", "dflash")):
         cfg = json.loads((pipeline / f"models/families/{name}/best/config.json").read_text())
-        assert cfg["speculators_model_type"] == kind and cfg["mask_token_id"] == 1
+        if kind == "eagle3.1":  # speculators' eagle3 with the paper's norms, which vLLM reads
+            assert cfg["speculators_model_type"] == "eagle3"
+            assert (cfg["fc_norm"], cfg["norm_before_fc"], cfg["norm_output"]) == (
+                True,
+                False,
+                True,
+            )
+        else:
+            assert cfg["speculators_model_type"] == kind and cfg["mask_token_id"] == 1
         # Each family's own layers of the one store: what vLLM captures when serving it.
         own = cfg.get("aux_hidden_state_layer_ids") or cfg.get("eagle_aux_hidden_state_layer_ids")
         assert own == (DFLASH_LAYERS if name == "dflash" else [2, 4, 5]), (name, own)
         metrics = files[f"metrics/families/{name}/train.json"]["data"]
         drafter = metrics["drafter"]
-        assert drafter["family"] == kind and drafter["drafting"] == "parallel"
+        assert drafter["family"] == kind
+        assert drafter["drafting"] == ("chained" if kind == "eagle3.1" else "parallel")
         assert set(drafter["val_accuracy_by_position"]) == {"1", "2", "3"}
         twin = drafter["untrained_twin"]["val_accuracy_by_position"]
         trained = drafter["val_accuracy_by_position"]
@@ -108,9 +117,10 @@ def test_family_branches(pipeline: Path) -> None:
         assert served["online"]["num_prompts"] == 6
         assert served["online"]["mean_acceptance_length"] > 1.5, (name, served["online"])
     assert drafter["val_acceptance_length"] >= 1.0  # DFlash reports its own
-    # Each branch is also simulated offline as its family drafts (one pass per draft), and
-    # vLLM's figure on the same prompts and positions is checked against that simulation.
-    for name in ("peagle", "dflash"):
+    # Each branch is also simulated offline as its family drafts (chained for EAGLE-3.1, one
+    # pass per draft for the others), and vLLM's figure on the same prompts and positions is
+    # checked against that simulation: for EAGLE-3.1 it proves vLLM applies the norms it trained.
+    for name in ("eagle3_1", "peagle", "dflash"):
         doc = files[f"metrics/families/{name}/eval.json"]["data"]
         same = doc["offline_same_prompts"]
         assert doc["offline"]["trained"]["num_drafts"] > 100 and same["num_prompts"] == 6

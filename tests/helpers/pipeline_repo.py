@@ -243,6 +243,7 @@ def session_run(tmp_path_factory: pytest.TempPathFactory, run: Run) -> Path:
 # The families branches ride along (docs/families.md): mask token 1 is <|im_system|>, which the
 # tiny tokenizer has and no row holds.
 FAMILIES = {
+    "eagle3_1": {"name": "eagle3.1"},
     "peagle": {"name": "peagle", "num_depths": 3, "mask_token_id": 1},
     "dflash": {"name": "dflash", "block_size": 4, "num_layers": 1, "mask_token_id": 1},
 }

@@ -1,4 +1,5 @@
-"""Print what `make train` produced: where the drafter is and its measured acceptance.
+"""Print what `make train` produced: where the drafter is and its measured acceptance, and,
+with `families` branches, every drafter of the run in one table.
 
 The numbers are this run's only if metrics/eval.json was measured under the current params: its
 provenance record says which params it was; a mismatch is said first and plainly, exit 1.
@@ -12,6 +13,7 @@ import sys
 from eagle3_pipeline import paths, provenance
 from eagle3_pipeline.errors import PipelineError
 from eagle3_pipeline.params import load_params
+from eagle3_pipeline.report import comparison
 
 DRAFTER = paths.DRAFTER
 EVAL = paths.EVAL_METRICS
@@ -78,7 +80,22 @@ def main() -> int:
         )
         if ev.get("mismatch"):
             print("MISMATCH: online acceptance is far below the offline simulation (see evaluate)")
+    _print_comparison(ev["num_speculative_tokens"])
     return 1 if problem else 0
+
+
+def _print_comparison(k: int) -> None:
+    """With `families` branches: every drafter of the run in one table (report.comparison)."""
+    try:
+        branches = list(load_params().families)
+    except PipelineError:
+        return  # said above, by provenance_problem
+    if branches:
+        print(
+            f"\ndrafters at {k} draft tokens (offline: simulated on the val samples; vLLM: served "
+            "on the val prompts; best: the draft count with the most tokens/s):"
+        )
+        print(comparison.table(comparison.rows(branches)))
 
 
 if __name__ == "__main__":

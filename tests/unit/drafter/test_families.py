@@ -26,7 +26,10 @@ def _load(tmp_path: Path, train: dict[str, Any]) -> Any:
 @pytest.mark.parametrize(
     ("family", "message"),
     [
-        ({"name": "eagle3", "fc_norm": True}, "fc_norm is a knob of eagle3.1, not of family eagle3"),
+        (
+            {"name": "eagle3", "fc_norm": True},
+            "fc_norm is a knob of eagle3.1, not of family eagle3: remove fc_norm",
+        ),
         ({"name": "peagle", "norm_output": False}, "norm_output is a knob of eagle3.1"),
         ({"name": "medusa"}, "'train.family.name'"),
         ({"name": "eagle3", "mask_token_id": 5}, "mask_token_id is a knob of peagle and dflash"),

@@ -80,3 +80,54 @@ def test_no_record(run_dir: Path, capsys) -> None:
     Path("metrics/provenance/evaluate.json").unlink()
     assert summary.main() == 1
     assert "nothing says which params" in capsys.readouterr().err
+
+
+def test_no_comparison_without_families(run_dir: Path, capsys) -> None:
+    assert summary.main() == 0
+    assert "drafters at" not in capsys.readouterr().out
+
+
+def test_families_end_with_one_table(run_dir: Path, capsys) -> None:
+    """Each branch in params that was evaluated gets a row under train's drafter, with its
+    served figures, its best draft count and what it learned over its untrained twin."""
+    params = yaml.safe_load(Path("params.yaml").read_text())
+    params["families"] = {"e31": {"name": "eagle3.1"}, "pe": {"name": "peagle"}}
+    Path("params.yaml").write_text(yaml.safe_dump(params))
+    record = provenance.collect("evaluate", load_params("params.yaml"))
+    Path("metrics/provenance/evaluate.json").write_text(json.dumps(record))
+    online = {
+        "mean_acceptance_length": 2.75,
+        "tokens_per_s": 300.0,
+        "tokens_per_s_baseline": 200.0,
+        "speedup": 1.5,
+        "best_num_speculative_tokens": 2,
+        "by_num_speculative_tokens": {"2": {"speedup": 1.625}},
+    }
+    branch = Path("metrics/families/e31")
+    branch.mkdir(parents=True)
+    (branch / "eval.json").write_text(
+        json.dumps(
+            {
+                "family": "eagle3.1",
+                "drafting": "chained",
+                "offline": {"trained": COUNTS},
+                "online": online,
+                "lossless": {"verdict": "identical"},
+            }
+        )
+    )
+    twin = {"val_accuracy_by_position": {"1": 0.002}}
+    drafter = {"val_accuracy_by_position": {"1": 0.75}, "untrained_twin": twin}
+    (branch / "train.json").write_text(json.dumps({"drafter": drafter}))
+    assert summary.main() == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("drafters at 3 draft tokens"))
+    head, *body = lines[at + 1 :]
+    assert head.split()[:3] == ["drafter", "family", "drafting"]
+    assert body[0].split()[:5] == ["train", "eagle3", "chained", "2.500", "-"]
+    assert "1.000 -> 2.500 offline" in body[0]
+    assert body[1].split() == [
+        "e31", "eagle3.1", "chained", "2.500", "2.750", "300.0/200.0", "x1.50", "2:", "x1.62",
+        "identical", "0.002", "->", "0.750", "val", "acc@1",
+    ]  # fmt: skip
+    assert len(body) == 2  # pe has not been evaluated: no row

@@ -71,6 +71,33 @@ def test_family_trains_and_saves_its_type(
 
 
 @pytest.mark.slow
+def test_eagle3_1_trains_its_norms(inputs: dict[str, Any], tmp_path: Path) -> None:
+    """With the wiring an eagle3.1 branch resolves to, speculators trains an eagle3 drafter with
+    one norm per aux layer and none over their concatenation, and writes the flags vLLM reads."""
+    import json
+
+    family = FamilyParams(name="eagle3.1")
+    logged = train_tiny(inputs, tmp_path, family=family, epochs=2, **family.wiring())
+    config = json.loads((tmp_path / "ckpt" / "1" / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert (config["fc_norm"], config["norm_before_fc"], config["norm_output"]) == (
+        True,
+        False,
+        True,
+    )
+    weights = load_file(tmp_path / "ckpt" / "1" / "model.safetensors")
+    norms = [
+        weights[f"fc_norm.{i}.weight"]
+        for i in range(len(config["eagle_aux_hidden_state_layer_ids"]))
+    ]
+    assert not any(k.startswith("input_norm.") for k in weights)
+    assert any(not torch.equal(n, torch.ones_like(n)) for n in norms)  # trained, not left at init
+    losses = [m["train"]["loss"] for _, m in logged if "train" in m]
+    half = len(losses) // 2
+    assert sum(losses[half:]) / (len(losses) - half) < sum(losses[:half]) / half
+
+
+@pytest.mark.slow
 def test_noise_reaches_peagle_forward(inputs: dict[str, Any], tmp_path: Path) -> None:
     """P-EAGLE overrides EAGLE-3's forward: noise must change its training all the same (a
     patch of EAGLE-3's forward alone would leave these weights equal), and be undone after."""

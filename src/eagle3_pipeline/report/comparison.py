@@ -1,0 +1,92 @@
+"""The drafters of one run side by side: `train`'s and each `families` branch's, measured alike.
+
+`make train` prints it last, so a families profile ends with the comparison its user came for:
+simulated and served acceptance at the same number of draft tokens, the speedup with and at the
+best draft count, losslessness, and whether each drafter learned (untrained -> trained).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from eagle3_pipeline import paths
+
+HEAD = (
+    "drafter",
+    "family",
+    "drafting",
+    "offline",
+    "vLLM",
+    "tokens/s with/without",
+    "speedup",
+    "best",
+    "lossless",
+    "untrained -> trained",
+)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _num(x: Any, spec: str) -> str:
+    return format(x, spec) if isinstance(x, (int, float)) else "-"
+
+
+def _row(name: str, ev: dict[str, Any], learned: str) -> list[str]:
+    online = ev.get("online") or {}
+    best = online.get("best_num_speculative_tokens")
+    at_best = (online.get("by_num_speculative_tokens") or {}).get(str(best)) or {}
+    with_and_without = [online.get("tokens_per_s"), online.get("tokens_per_s_baseline")]
+    return [
+        name,
+        ev.get("family", "eagle3"),
+        ev.get("drafting", "chained"),
+        _num((ev.get("offline") or {}).get("trained", {}).get("mean_acceptance_length"), ".3f"),
+        _num(online.get("mean_acceptance_length"), ".3f"),
+        "/".join(_num(x, ".1f") for x in with_and_without),
+        "x" + _num(online.get("speedup"), ".2f") if online else "-",
+        f"{best}: x{_num(at_best.get('speedup'), '.2f')}" if at_best else "-",
+        (ev.get("lossless") or {}).get("verdict", "-") if online else "-",
+        learned,
+    ]
+
+
+def _train_learned(ev: dict[str, Any]) -> str:
+    """The simulated acceptance of the untrained drafter, then of the trained one."""
+    offline = ev.get("offline") or {}
+    before = (offline.get("untrained") or {}).get("mean_acceptance_length")
+    after = (offline.get("trained") or {}).get("mean_acceptance_length")
+    return f"{_num(before, '.3f')} -> {_num(after, '.3f')} offline"
+
+
+def _branch_learned(train: dict[str, Any]) -> str:
+    """Val accuracy at draft position 1 of the untrained twin, then of the trained branch."""
+    drafter = train.get("drafter") or {}
+    twin = (drafter.get("untrained_twin") or {}).get("val_accuracy_by_position") or {}
+    trained = drafter.get("val_accuracy_by_position") or {}
+    if not twin:
+        return "-"
+    return f"{_num(twin.get('1'), '.3f')} -> {_num(trained.get('1'), '.3f')} val acc@1"
+
+
+def rows(branches: list[str], metrics: Path = paths.METRICS) -> list[list[str]]:
+    """One row for `train`'s drafter, then one per branch that has been evaluated."""
+    found = [_row("train", ev, _train_learned(ev))] if (ev := _read(metrics / "eval.json")) else []
+    for name in branches:
+        ev = _read(metrics / "families" / name / "eval.json")
+        if ev:
+            learned = _branch_learned(_read(metrics / "families" / name / "train.json"))
+            found.append(_row(name, ev, learned))
+    return found
+
+
+def table(body: list[list[str]]) -> str:
+    """`body` under HEAD, columns aligned for a terminal or a log file."""
+    widths = [max(len(r[i]) for r in [list(HEAD), *body]) for i in range(len(HEAD))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+        for r in [list(HEAD), *body]
+    )
