@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline import paths
+from eagle3_pipeline.params import Params
 
 HEAD = (
     "drafter",
@@ -35,15 +36,15 @@ def _num(x: Any, spec: str) -> str:
     return format(x, spec) if isinstance(x, (int, float)) else "-"
 
 
-def _row(name: str, ev: dict[str, Any], learned: str) -> list[str]:
+def _row(name: str, family: str, drafting: str, ev: dict[str, Any], learned: str) -> list[str]:
     online = ev.get("online") or {}
     best = online.get("best_num_speculative_tokens")
     at_best = (online.get("by_num_speculative_tokens") or {}).get(str(best)) or {}
     with_and_without = [online.get("tokens_per_s"), online.get("tokens_per_s_baseline")]
     return [
         name,
-        ev.get("family", "eagle3"),
-        ev.get("drafting", "chained"),
+        family,
+        drafting,
         _num((ev.get("offline") or {}).get("trained", {}).get("mean_acceptance_length"), ".3f"),
         _num(online.get("mean_acceptance_length"), ".3f"),
         "/".join(_num(x, ".1f") for x in with_and_without),
@@ -72,14 +73,16 @@ def _branch_learned(train: dict[str, Any]) -> str:
     return f"{_num(twin.get('1'), '.3f')} -> {_num(trained.get('1'), '.3f')} val acc@1"
 
 
-def rows(branches: list[str], metrics: Path = paths.METRICS) -> list[list[str]]:
-    """One row for `train`'s drafter, then one per branch that has been evaluated."""
-    found = [_row("train", ev, _train_learned(ev))] if (ev := _read(metrics / "eval.json")) else []
-    for name in branches:
-        ev = _read(metrics / "families" / name / "eval.json")
-        if ev:
+def rows(params: Params, metrics: Path = paths.METRICS) -> list[list[str]]:
+    """One row for `train`'s drafter, then one per `families` entry that has been evaluated."""
+    found = []
+    if ev := _read(metrics / "eval.json"):
+        t = params.train.family
+        found.append(_row("train", t.name, t.drafting, ev, _train_learned(ev)))
+    for name, family in params.families.items():
+        if ev := _read(metrics / "families" / name / "eval.json"):
             learned = _branch_learned(_read(metrics / "families" / name / "train.json"))
-            found.append(_row(name, ev, learned))
+            found.append(_row(name, family.name, family.drafting, ev, learned))
     return found
 
 

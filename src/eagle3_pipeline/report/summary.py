@@ -87,15 +87,15 @@ def main() -> int:
 def _print_comparison(k: int) -> None:
     """With `families` branches: every drafter of the run in one table (report.comparison)."""
     try:
-        branches = list(load_params().families)
+        params = load_params()
     except PipelineError:
         return  # said above, by provenance_problem
-    if branches:
+    if params.families:
         print(
             f"\ndrafters at {k} draft tokens (offline: simulated on the val samples; vLLM: served "
             "on the val prompts; best: the draft count with the most tokens/s):"
         )
-        print(comparison.table(comparison.rows(branches)))
+        print(comparison.table(comparison.rows(params)))
 
 
 if __name__ == "__main__":

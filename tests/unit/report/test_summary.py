@@ -92,6 +92,7 @@ def test_families_end_with_one_table(run_dir: Path, capsys) -> None:
     served figures, its best draft count and what it learned over its untrained twin."""
     params = yaml.safe_load(Path("params.yaml").read_text())
     params["families"] = {"e31": {"name": "eagle3.1"}, "pe": {"name": "peagle"}}
+    params["train"]["family"] = {"name": "eagle3.1"}  # train's row names train's family
     Path("params.yaml").write_text(yaml.safe_dump(params))
     record = provenance.collect("evaluate", load_params("params.yaml"))
     Path("metrics/provenance/evaluate.json").write_text(json.dumps(record))
@@ -124,7 +125,7 @@ def test_families_end_with_one_table(run_dir: Path, capsys) -> None:
     at = next(i for i, line in enumerate(lines) if line.startswith("drafters at 3 draft tokens"))
     head, *body = lines[at + 1 :]
     assert head.split()[:3] == ["drafter", "family", "drafting"]
-    assert body[0].split()[:5] == ["train", "eagle3", "chained", "2.500", "-"]
+    assert body[0].split()[:5] == ["train", "eagle3.1", "chained", "2.500", "-"]
     assert "1.000 -> 2.500 offline" in body[0]
     assert body[1].split() == [
         "e31", "eagle3.1", "chained", "2.500", "2.750", "300.0/200.0", "x1.50", "2:", "x1.62",
