@@ -279,7 +279,8 @@ def speculative_config(drafter: str | Path, k: int, family: str = "eagle3") -> d
     The method is always named: without one vLLM guesses it from the folder's name and
     otherwise serves the drafter as a draft model, whose every request then fails. P-EAGLE is
     EAGLE-3's method with parallel drafting (else vLLM drafts with it chained and skips its
-    mask_hidden weights); DFlash is its own method.
+    mask_hidden weights); EAGLE-3.1 is EAGLE-3's method, its norms read from the drafter's
+    config; DFlash is its own method.
     """
     config: dict[str, Any] = {"model": str(drafter), "num_speculative_tokens": k}
     if family == "dflash":

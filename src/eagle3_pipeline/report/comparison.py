@@ -7,11 +7,11 @@ best draft count, losslessness, and whether each drafter learned (untrained -> t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import paths
+from eagle3_pipeline import paths, readers
+from eagle3_pipeline.errors import DataError
 from eagle3_pipeline.params import Params
 
 HEAD = (
@@ -28,8 +28,10 @@ HEAD = (
 )
 
 
-def _read(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
+def _read(path: Path, stage: str) -> dict[str, Any]:
+    """`stage`'s metrics file, or {} when it has not run; a broken one: one-line DataError."""
+    fix = f"rerun the stage: dvc repro --force --single-item {stage}"
+    return readers.read_json_object(path, DataError, fix) if path.is_file() else {}
 
 
 def _num(x: Any, spec: str) -> str:
@@ -76,12 +78,14 @@ def _branch_learned(train: dict[str, Any]) -> str:
 def rows(params: Params, metrics: Path = paths.METRICS) -> list[list[str]]:
     """One row for `train`'s drafter, then one per `families` entry that has been evaluated."""
     found = []
-    if ev := _read(metrics / "eval.json"):
+    if ev := _read(metrics / "eval.json", "evaluate"):
         t = params.train.family
         found.append(_row("train", t.name, t.drafting, ev, _train_learned(ev)))
     for name, family in params.families.items():
-        if ev := _read(metrics / "families" / name / "eval.json"):
-            learned = _branch_learned(_read(metrics / "families" / name / "train.json"))
+        if ev := _read(metrics / "families" / name / "eval.json", f"family_eval@{name}"):
+            learned = _branch_learned(
+                _read(metrics / "families" / name / "train.json", f"family@{name}")
+            )
             found.append(_row(name, family.name, family.drafting, ev, learned))
     return found
 

@@ -80,22 +80,28 @@ def main() -> int:
         )
         if ev.get("mismatch"):
             print("MISMATCH: online acceptance is far below the offline simulation (see evaluate)")
-    _print_comparison(ev["num_speculative_tokens"])
-    return 1 if problem else 0
+    compared = _print_comparison(ev["num_speculative_tokens"])
+    return 1 if problem or not compared else 0
 
 
-def _print_comparison(k: int) -> None:
-    """With `families` branches: every drafter of the run in one table (report.comparison)."""
+def _print_comparison(k: int) -> bool:
+    """With `families` branches: every drafter of the run in one table (report.comparison);
+    False when a metrics file of theirs could not be read."""
     try:
         params = load_params()
     except PipelineError:
-        return  # said above, by provenance_problem
+        return True  # said above, by provenance_problem
     if params.families:
         print(
             f"\ndrafters at {k} draft tokens (offline: simulated on the val samples; vLLM: served "
             "on the val prompts; best: the draft count with the most tokens/s):"
         )
-        print(comparison.table(comparison.rows(params)))
+        try:
+            print(comparison.table(comparison.rows(params)))
+        except PipelineError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return False
+    return True
 
 
 if __name__ == "__main__":

@@ -132,3 +132,19 @@ def test_families_end_with_one_table(run_dir: Path, capsys) -> None:
         "identical", "0.002", "->", "0.750", "val", "acc@1",
     ]  # fmt: skip
     assert len(body) == 2  # pe has not been evaluated: no row
+
+
+def test_a_broken_branch_file_is_one_line_and_exit_1(run_dir: Path, capsys) -> None:
+    params = yaml.safe_load(Path("params.yaml").read_text())
+    params["families"] = {"e31": {"name": "eagle3.1"}}
+    Path("params.yaml").write_text(yaml.safe_dump(params))
+    record = provenance.collect("evaluate", load_params("params.yaml"))
+    Path("metrics/provenance/evaluate.json").write_text(json.dumps(record))
+    Path("metrics/families/e31").mkdir(parents=True)
+    Path("metrics/families/e31/eval.json").write_text("{not json")
+    assert summary.main() == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "error: metrics/families/e31/eval.json: not valid JSON (line 1): rerun the stage: "
+        "dvc repro --force --single-item family_eval@e31"
+    )
