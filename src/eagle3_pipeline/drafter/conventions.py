@@ -228,8 +228,9 @@ def resolve(
         # A family that is defined by its wiring (EAGLE-3.1) sets it over train.flags, which
         # every families branch shares with train's drafter.
         family = params.train.family
-        flags |= family.wiring()
-        sources |= {k: f"family {family.name}" for k in family.wiring()}
+        fixed = family.wiring()
+        flags |= fixed
+        sources |= dict.fromkeys(fixed, f"family {family.name}")
         _check_flags(flags, where)
         return RunConventions(aux, final, flags, sources)
     config, file = init

@@ -36,9 +36,6 @@ DRAFTING: dict[str, Literal["chained", "parallel"]] = {
     "peagle": "parallel",
     "dflash": "parallel",
 }
-# Knobs that are EAGLE-3 wiring flags (train.flags' names): they reach the trainer, the export
-# check and the simulation through the run's conventions (drafter.conventions), not as knobs.
-WIRING_KNOBS = frozenset({"fc_norm", "norm_output"})
 
 
 class FamilyParams(BaseModel):

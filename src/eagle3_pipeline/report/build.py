@@ -17,7 +17,7 @@ from typing import Any
 
 from eagle3_pipeline import atomic
 from eagle3_pipeline.errors import PipelineError
-from eagle3_pipeline.report import render, series, sources
+from eagle3_pipeline.report import comparison, render, series, sources
 
 OUT_DIR = Path("report")
 SUMMARY = "Summary: acceptance, throughput, durations, store"
@@ -73,10 +73,6 @@ def charts(
     return out
 
 
-def _fmt(x: Any, spec: str) -> str:
-    return format(x, spec) if isinstance(x, (int, float)) else "-"
-
-
 def headline(files: dict[str, sources.RevisionFiles]) -> tuple[list[str], list[list[str]]]:
     """Mean acceptance length and acceptance rate of every drafter, and online throughput; the
     `families` branches' drafters served the same way, one row each (the comparison table)."""
@@ -117,9 +113,9 @@ def _headline_row(rev: str, drafter: str, mode: str, r: Any) -> list[str]:
         rev,
         drafter,
         mode,
-        _fmt(r.get("mean_acceptance_length"), ".3f"),
-        _fmt(r.get("acceptance_rate"), ".1%"),
-        _fmt(r.get("speedup"), ".2f") if mode != "offline" else "",
+        comparison.number(r.get("mean_acceptance_length"), ".3f"),
+        comparison.number(r.get("acceptance_rate"), ".1%"),
+        comparison.number(r.get("speedup"), ".2f") if mode != "offline" else "",
     ]
 
 

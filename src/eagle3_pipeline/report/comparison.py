@@ -34,7 +34,8 @@ def _read(path: Path, stage: str) -> dict[str, Any]:
     return readers.read_json_object(path, DataError, fix) if path.is_file() else {}
 
 
-def _num(x: Any, spec: str) -> str:
+def number(x: Any, spec: str) -> str:
+    """A metric as both drafter tables show it (this one and the report's): "-" when absent."""
     return format(x, spec) if isinstance(x, (int, float)) else "-"
 
 
@@ -47,11 +48,11 @@ def _row(name: str, family: str, drafting: str, ev: dict[str, Any], learned: str
         name,
         family,
         drafting,
-        _num((ev.get("offline") or {}).get("trained", {}).get("mean_acceptance_length"), ".3f"),
-        _num(online.get("mean_acceptance_length"), ".3f"),
-        "/".join(_num(x, ".1f") for x in with_and_without),
-        "x" + _num(online.get("speedup"), ".2f") if online else "-",
-        f"{best}: x{_num(at_best.get('speedup'), '.2f')}" if at_best else "-",
+        number((ev.get("offline") or {}).get("trained", {}).get("mean_acceptance_length"), ".3f"),
+        number(online.get("mean_acceptance_length"), ".3f"),
+        "/".join(number(x, ".1f") for x in with_and_without),
+        "x" + number(online.get("speedup"), ".2f") if online else "-",
+        f"{best}: x{number(at_best.get('speedup'), '.2f')}" if at_best else "-",
         (ev.get("lossless") or {}).get("verdict", "-") if online else "-",
         learned,
     ]
@@ -62,7 +63,7 @@ def _train_learned(ev: dict[str, Any]) -> str:
     offline = ev.get("offline") or {}
     before = (offline.get("untrained") or {}).get("mean_acceptance_length")
     after = (offline.get("trained") or {}).get("mean_acceptance_length")
-    return f"{_num(before, '.3f')} -> {_num(after, '.3f')} offline"
+    return f"{number(before, '.3f')} -> {number(after, '.3f')} offline"
 
 
 def _branch_learned(train: dict[str, Any]) -> str:
@@ -72,7 +73,7 @@ def _branch_learned(train: dict[str, Any]) -> str:
     trained = drafter.get("val_accuracy_by_position") or {}
     if not twin:
         return "-"
-    return f"{_num(twin.get('1'), '.3f')} -> {_num(trained.get('1'), '.3f')} val acc@1"
+    return f"{number(twin.get('1'), '.3f')} -> {number(trained.get('1'), '.3f')} val acc@1"
 
 
 def rows(params: Params, metrics: Path = paths.METRICS) -> list[list[str]]:

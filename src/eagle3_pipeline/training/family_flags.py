@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eagle3_pipeline.drafter.families import WIRING_KNOBS, FamilyParams
+from eagle3_pipeline.drafter.families import FamilyParams
 
 
 def trainer_flags(family: FamilyParams, mask_token_id: int | None) -> dict[str, Any]:
@@ -18,9 +18,10 @@ def trainer_flags(family: FamilyParams, mask_token_id: int | None) -> dict[str, 
     that speculators loads no tokenizer): its runs and checkpoints stay as they were.
     """
     flags: dict[str, Any] = {"speculator_type": family.speculator_type}
-    # The wiring knobs (EAGLE-3.1's) reach speculators as train's flags (build_train_config).
-    own = {k: v for k, v in family.knobs().items() if k not in WIRING_KNOBS}
-    flags |= {k: v for k, v in own.items() if k != "mask_token_id"}
+    # EAGLE-3.1's knobs are wiring: they reach speculators as train's flags, through the run's
+    # conventions (build_train_config); the mask token is resolved below.
+    skip = {"mask_token_id", *family.wiring()}
+    flags |= {k: v for k, v in family.knobs().items() if k not in skip}
     if family.uses_mask_token:
         if mask_token_id is None:
             raise ValueError(f"family {family.name} needs a resolved mask token id")

@@ -82,6 +82,17 @@ def test_no_record(run_dir: Path, capsys) -> None:
     assert "nothing says which params" in capsys.readouterr().err
 
 
+def _measured_with(families: dict, train_family: dict | None = None) -> None:
+    """params.yaml with these `families` (and train.family), recorded as evaluate's params."""
+    params = yaml.safe_load(Path("params.yaml").read_text())
+    params["families"] = families
+    if train_family is not None:
+        params["train"]["family"] = train_family
+    Path("params.yaml").write_text(yaml.safe_dump(params))
+    record = provenance.collect("evaluate", load_params("params.yaml"))
+    Path("metrics/provenance/evaluate.json").write_text(json.dumps(record))
+
+
 def test_no_comparison_without_families(run_dir: Path, capsys) -> None:
     assert summary.main() == 0
     assert "drafters at" not in capsys.readouterr().out
@@ -90,12 +101,8 @@ def test_no_comparison_without_families(run_dir: Path, capsys) -> None:
 def test_families_end_with_one_table(run_dir: Path, capsys) -> None:
     """Each branch in params that was evaluated gets a row under train's drafter, with its
     served figures, its best draft count and what it learned over its untrained twin."""
-    params = yaml.safe_load(Path("params.yaml").read_text())
-    params["families"] = {"e31": {"name": "eagle3.1"}, "pe": {"name": "peagle"}}
-    params["train"]["family"] = {"name": "eagle3.1"}  # train's row names train's family
-    Path("params.yaml").write_text(yaml.safe_dump(params))
-    record = provenance.collect("evaluate", load_params("params.yaml"))
-    Path("metrics/provenance/evaluate.json").write_text(json.dumps(record))
+    families = {"e31": {"name": "eagle3.1"}, "pe": {"name": "peagle"}}
+    _measured_with(families, {"name": "eagle3.1"})  # train's row names train's family
     online = {
         "mean_acceptance_length": 2.75,
         "tokens_per_s": 300.0,
@@ -135,11 +142,7 @@ def test_families_end_with_one_table(run_dir: Path, capsys) -> None:
 
 
 def test_a_broken_branch_file_is_one_line_and_exit_1(run_dir: Path, capsys) -> None:
-    params = yaml.safe_load(Path("params.yaml").read_text())
-    params["families"] = {"e31": {"name": "eagle3.1"}}
-    Path("params.yaml").write_text(yaml.safe_dump(params))
-    record = provenance.collect("evaluate", load_params("params.yaml"))
-    Path("metrics/provenance/evaluate.json").write_text(json.dumps(record))
+    _measured_with({"e31": {"name": "eagle3.1"}})
     Path("metrics/families/e31").mkdir(parents=True)
     Path("metrics/families/e31/eval.json").write_text("{not json")
     assert summary.main() == 1
