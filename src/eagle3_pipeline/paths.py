@@ -12,6 +12,7 @@ PROMPTS = Path("data/prompts")
 CORPUS_DIR = Path("data/corpus")  # committed text the tiny verifiers train on
 CORPUS = CORPUS_DIR / "verifier_corpus.jsonl"
 VERIFIER = Path("data/verifier")
+SYNTHESIZED = Path("data/synthesized")  # prompts the verifier wrote (Magpie)
 PREPARED = Path("data/prepared")
 GENERATED = Path("data/generated")
 TOKENIZED = Path("data/tokenized")
@@ -21,6 +22,8 @@ VOCAB = Path("data/vocab")
 TRAINED = Path("models/trained")
 DRAFTER = Path("models/drafter")
 FAMILIES_MODELS = Path("models/families")  # one folder per `families` branch
+CURVE_MODELS = Path("models/curve")  # one folder per learning-curve fraction
+REAL_MODELS = Path("models/verifiers")  # real verifiers fetched from a registry package
 
 METRICS = Path("metrics")
 VOCAB_METRICS = METRICS / "vocab.json"
@@ -29,6 +32,12 @@ TRAIN_LIVE = METRICS / "train"
 EVAL_METRICS = METRICS / "eval.json"
 PROVENANCE = METRICS / "provenance"
 FAMILIES_METRICS = METRICS / "families"
+CURVE_FRACTIONS = METRICS / "fractions"  # per fraction F: F/train (DVCLive), F/eval.json
+CURVE = METRICS / "curve.json"  # the learning curve's fit and its predictions
+CURVE_PLOTS = METRICS / "curve"  # its plot series:
+CURVE_TOKENS = CURVE_PLOTS / "tokens.json"  # acceptance by training tokens, measured + predicted
+CURVE_EPOCHS = CURVE_PLOTS / "epochs.json"  # the full run's val acceptance by epoch
+CHECKED = Path("data/checked")  # what the check stage verified (key names only)
 
 # Scratch: in-progress work of resumable stages; git-ignored, never a DVC output.
 SCRATCH = Path("data/.work")

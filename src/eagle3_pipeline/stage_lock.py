@@ -33,7 +33,9 @@ LOCKS = paths.SCRATCH / "locks"
 
 # Each stage's DVC outputs (dvc.yaml `outs` and `metrics`; tests/unit/test_stage_lock.py checks).
 STAGE_OUTPUTS: dict[str, tuple[Path, ...]] = {
+    "check": (paths.CHECKED,),
     "verifier": (paths.VERIFIER,),
+    "synthesize": (paths.SYNTHESIZED,),
     "prepare": (paths.PREPARED,),
     "generate": (paths.GENERATED,),
     "tokenize": (paths.TOKENIZED,),
@@ -42,19 +44,28 @@ STAGE_OUTPUTS: dict[str, tuple[Path, ...]] = {
     "train": (paths.TRAINED, paths.TRAIN_LIVE, paths.TRAIN_METRICS),
     "export": (paths.DRAFTER,),
     "evaluate": (paths.EVAL_METRICS,),
+    "curve": (paths.CURVE, paths.CURVE_TOKENS, paths.CURVE_EPOCHS),
 }
 _SHARED_SCRATCH = {"extract"}
 
 
 def outputs_of(stage: str) -> tuple[Path, ...]:
     """The stage's DVC outputs, those of a `families` branch (family@NAME, family_eval@NAME)
-    included."""
+    and of a learning-curve fraction (curve_train@F) included."""
     kind, _, name = stage.partition("@")
     metrics = paths.FAMILIES_METRICS / name
     if kind == "family":
         return (paths.FAMILIES_MODELS / name, metrics / "train", metrics / "train.json")
     if kind == "family_eval":
         return (metrics / "eval.json",)
+    if kind == "curve_train":
+        fraction = paths.CURVE_FRACTIONS / name
+        return (
+            paths.CURVE_MODELS / name,
+            fraction / "train",
+            fraction / "train.json",
+            fraction / "eval.json",
+        )
     return STAGE_OUTPUTS.get(stage, ())
 
 

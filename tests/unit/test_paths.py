@@ -16,6 +16,8 @@ NOT_IN_DVC_YAML = {
     "SCRATCH": "resume state of long stages: never a DVC output (persist would copy it)",
     "VLLM_CACHE": "vLLM's compile cache, under SCRATCH",
     "PROMPTS": "the default of prepare.prompts, a templated dep (${prepare.prompts})",
+    "REAL_MODELS": "real verifiers `eagle3 fetch-model` writes; verifier.path points at one",
+    "CURVE_PLOTS": "the folder of the curve's plot series; dvc.yaml names the files",
 }
 
 
@@ -28,11 +30,13 @@ def _dvc_paths() -> set[str]:
     found: set[str] = set()
     for stage in stages.values():
         body = stage.get("do", stage)  # a `foreach` stage's entries are under `do`
-        for key in ("deps", "outs", "metrics"):
+        for key in ("deps", "outs", "metrics", "plots"):
             for entry in body.get(key, []):
                 found.add(next(iter(entry)) if isinstance(entry, dict) else entry)
-    # A branch's folder (models/families/${key}) is its family's folder under the constant.
-    found = {p.split("/${key}")[0] if "/${key}" in p else p for p in found}
+    # A branch's folder (models/families/${key}, models/curve/${item}) is the folder of its
+    # family or fraction under the constant.
+    for var in ("/${key}", "/${item}"):
+        found = {p.split(var)[0] if var in p else p for p in found}
     return {p for p in found if "${" not in p}
 
 

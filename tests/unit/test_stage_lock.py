@@ -145,15 +145,20 @@ def test_the_cli_sweeps_at_the_start_of_its_stage(tmp_path: Path) -> None:
 def test_stage_outputs_match_dvc_yaml() -> None:
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     for name, stage in stages.items():
-        if "foreach" in stage:  # family@NAME, family_eval@NAME: the outputs of entry NAME
+        if "foreach" in stage:  # family@NAME, curve_train@F...: the outputs of entry NAME
             body = stage["do"]
-            outs = [o.replace("${key}", "peagle") for o in body.get("outs", [])]
-            outs += [next(iter(m)).replace("${key}", "peagle") for m in body["metrics"]]
-            found = stage_lock.outputs_of(f"{name}@peagle")
+            key = "0.25" if "${item}" in str(body) else "peagle"
+            outs = [o.replace("${key}", key).replace("${item}", key) for o in body.get("outs", [])]
+            outs += [
+                next(iter(m)).replace("${key}", key).replace("${item}", key)
+                for m in body["metrics"]
+            ]
+            found = stage_lock.outputs_of(f"{name}@{key}")
             assert sorted(map(str, found)) == sorted(outs), name
             continue
         outs = [next(iter(o)) if isinstance(o, dict) else o for o in stage.get("outs", [])]
         outs += [next(iter(m)) if isinstance(m, dict) else m for m in stage.get("metrics", [])]
+        outs += [next(iter(m)) if isinstance(m, dict) else m for m in stage.get("plots", [])]
         assert sorted(map(str, stage_lock.STAGE_OUTPUTS[name])) == sorted(outs), name
     assert stage_lock.LOCKS.parent == paths.SCRATCH
 

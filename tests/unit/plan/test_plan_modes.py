@@ -58,40 +58,43 @@ def test_kimi_bytes_per_token_and_the_sanity_figures() -> None:
 
 def test_kimi_both_modes_at_the_plans_sample_count() -> None:
     """Store: every sample on disk, prefilled once. Online: the val samples extract keeps on
-    disk (all of them: extract.online_keep_val null), every other sample prefilled each epoch."""
+    disk (the 200 evaluate reads: extract.online_keep_val), every other one prefilled each
+    epoch."""
     params = load_params(PROFILE)
-    assert params.train.hidden_states == "store" and params.extract.online_keep_val is None
+    assert params.train.hidden_states == "store" and params.extract.online_keep_val == 200
+    assert params.evaluate.max_offline_samples == 200
     n = params.prepare.max_prompts  # no prompt files: the count is the cap
     per_sample = min(ASSUMED_PROMPT + params.generate.max_new_tokens, params.tokenize.max_seq_len)
     tokens = n * per_sample
     assert (n, per_sample, tokens) == (10_000, 16_640, 166_400_000)
     val = int(n * params.prepare.val_ratio + 0.5)
-    val_tokens = val * per_sample
+    kept = 200
+    val_tokens = kept * per_sample
     epochs = params.train.epochs
     online_prefill = epochs * (tokens - val_tokens) + val_tokens
-    assert (val, online_prefill) == (1_000, 765_440_000)
+    assert (val, online_prefill) == (1_000, 818_688_000)
 
     p = kimi_plan()
     (own,) = p.scales
     assert (own.samples, own.tokens, own.val_samples, own.how) == (n, tokens, val, "plan")
     assert own.store == modes.ModeCost(n, tokens, tokens)
-    assert own.online == modes.ModeCost(val, val_tokens, online_prefill)
+    assert own.online == modes.ModeCost(kept, val_tokens, online_prefill)
     store_disk = {"bf16": tokens * bf16_per_token(params), "fp8": tokens * fp8_per_token(params)}
     assert p.disk_bytes(own.store) == store_disk
     assert p.disk_bytes(own.online)["bf16"] == val_tokens * 57_344
 
     text = report.render(p)
     assert "train.hidden_states: store (*)" in text
-    assert "every val sample (extract.online_keep_val null)" in text
+    assert "the first 200 val samples by id (extract.online_keep_val)" in text
     lines = rows(text)
     header = next(r for r in lines if r.startswith("samples x each"))
     assert "*store disk" in header and "*online" not in header
     expected = (
         f"10,000 x 16,640 = 166.4M {size(store_disk['bf16'])} ({size(store_disk['fp8'])}) "
-        f"166.4M {size(val_tokens * 57_344)} ({size(val_tokens * 28_688)}) 1,000 765.4M plan"
+        f"166.4M {size(val_tokens * 57_344)} ({size(val_tokens * 28_688)}) 200 818.7M plan"
     )
     assert expected == (
-        "10,000 x 16,640 = 166.4M 9.54 TB (4.77 TB) 166.4M 954.20 GB (477.37 GB) 1,000 765.4M plan"
+        "10,000 x 16,640 = 166.4M 9.54 TB (4.77 TB) 166.4M 190.84 GB (95.47 GB) 200 818.7M plan"
     )
     assert expected in lines
 
@@ -157,8 +160,8 @@ def test_cli_samples_rows_follow_the_plans_mean(capsys) -> None:
     assert [r.split()[0] for r in table] == ["10,000", "10,000", "600,000"]
     assert table[0].removesuffix("plan") == table[1].removesuffix("--samples")
     assert table[2].startswith("600,000 x 10,000 = 6,000.0M 344.06 TB (172.13 TB) 6,000.0M")
-    # 60,000 val samples of 10,000 tokens kept; 5 epochs of the other 5.4B tokens.
-    assert table[2].endswith("34.41 TB (17.21 TB) 60,000 27,600.0M --samples")
+    # 200 of the 60,000 val samples kept (those evaluate reads); 5 epochs of the other tokens.
+    assert table[2].endswith("114.69 GB (57.38 GB) 200 29,992.0M --samples")
 
 
 def test_tokens_with_prompts_set_the_mean_per_sample() -> None:
