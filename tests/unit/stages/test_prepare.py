@@ -249,3 +249,136 @@ def test_rows_sorted_by_id_through_runs_on_disk(tmp_path: Path, monkeypatch, cap
     assert rc == rc2 == 0 and _outputs(other) == expected
     assert [r["id"] for r in expected[0]] == sorted(r["id"] for r in expected[0])
     assert [s["line"] for s in expected[2]] == [102, 103, 104]
+
+
+def _given(root: Path, n: int) -> Path:
+    """A given prompt file of n rows, outside the workspace."""
+    rows = [
+        {"id": f"g{i:03d}", "messages": [{"role": "user", "content": f"q {i}"}]} for i in range(n)
+    ]
+    path = root / "given.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _synthesized(root: Path, n: int, count: int | None = None) -> list[str]:
+    """data/synthesized in `root` as the synthesize stage writes it (n rows, made for count)."""
+    from eagle3_pipeline import atomic
+    from eagle3_pipeline.stages.synthesize import conversation_id
+
+    convs = [[{"role": "user", "content": f"synthesized question {i}"}] for i in range(n)]
+    rows = [{"id": conversation_id(m), "messages": m} for m in convs]
+    atomic.write_jsonl(root / "data/synthesized/prompts.jsonl", rows)
+    atomic.write_json(root / "data/synthesized/stats.json", {"count": count or n})
+    return [r["id"] for r in rows]
+
+
+def _taken(root: Path) -> tuple[set[str], set[str]]:
+    """(synthesized, given) ids in root's prepared output."""
+    train, val, _ = _outputs(root)
+    ids = {r["id"] for r in train + val}
+    return {i for i in ids if i.startswith("syn-")}, {i for i in ids if not i.startswith("syn-")}
+
+
+def test_synthesized_prompts_mix_by_share_nested(tmp_path: Path, capsys) -> None:
+    from eagle3_pipeline.stages.prepare import mix_rank
+
+    given = _given(tmp_path, 60)
+    got, logs = {}, {}
+    for share in (None, 0.5, 0.25, 1.0):
+        root = tmp_path / f"share-{share}"
+        syn_ids = _synthesized(root, 40)
+        rc, err, logs[share] = _prepare(
+            root, capsys, prompts=str(given), synthesize={"count": 40}, synthesized_share=share
+        )
+        assert rc == 0, err
+        got[share] = _taken(root)
+    assert [tuple(map(len, got[s])) for s in (None, 0.5, 0.25, 1.0)] == [
+        (40, 60),
+        (40, 40),
+        (20, 60),
+        (40, 0),
+    ]
+    assert got[None][0] == set(syn_ids)
+    assert "[prepare] 40 synthesized + 60 given (prepare.synthesized_share null: all" in logs[None]
+    assert (
+        "[prepare] 40 synthesized + 40 given (prepare.synthesized_share=0.5: took 40 of 40 "
+        "synthesized and 40 of 60 given usable prompts)"
+    ) in logs[0.5]
+    # each source in its own hash order: a smaller mix is nested in a larger one
+    assert got[0.5][1] < got[0.25][1] and got[0.25][0] < got[0.5][0]
+    assert got[0.5][1] == set(sorted((f"g{i:03d}" for i in range(60)), key=mix_rank)[:40])
+
+
+def test_mix_counts() -> None:
+    from eagle3_pipeline.stages.prepare import mix_counts
+
+    assert mix_counts(40, 60, 0.5) == (40, 40)
+    assert mix_counts(300, 120, 0.5) == (120, 120)
+    assert mix_counts(100, 1000, 0.25) == (100, 300)
+    assert mix_counts(10, 0, 1.0) == (10, 0)
+    assert mix_counts(10, 0, 0.5) == (0, 0)
+    for syn, given, share in [(7, 13, 0.3), (1000, 999, 0.9), (3, 3, 0.01)]:
+        s, g = mix_counts(syn, given, share)
+        assert s <= syn and g <= given and abs(s - share * (s + g)) <= 1
+
+
+def test_with_share_one_the_given_files_are_not_read(tmp_path: Path, capsys) -> None:
+    given = tmp_path / "given.jsonl"
+    given.write_text(json.dumps({"id": "a", "messages": []}) + "\n")  # no usable row
+    syn_ids = _synthesized(tmp_path, 12)
+    rc, err, out = _prepare(
+        tmp_path, capsys, prompts=str(given), synthesize={"count": 12}, synthesized_share=1.0
+    )
+    assert rc == 0, err
+    assert _taken(tmp_path) == (set(syn_ids), set())
+    assert _outputs(tmp_path)[2] == []  # nothing read from the given file, nothing skipped
+
+
+def test_count_zero_leaves_prepare_as_it_was(tmp_path: Path, capsys) -> None:
+    """A synthesized set on disk is not read with count 0: the same bytes as without it."""
+    given = _given(tmp_path, 30)
+    plain, stale = tmp_path / "plain", tmp_path / "stale"
+    plain.mkdir()
+    _synthesized(stale, 5)
+    for root in (plain, stale):
+        assert _prepare(root, capsys, prompts=str(given))[0] == 0
+    for name in ("train.jsonl", "val.jsonl", "skipped.jsonl"):
+        a = (plain / "data/prepared" / name).read_bytes()
+        assert a == (stale / "data/prepared" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize(
+    ("synthesized", "prepare", "expected"),
+    [
+        (None, {"synthesize": {"count": 5}}, "prompts.jsonl: not found: run the synthesize stage"),
+        (
+            3,
+            {"synthesize": {"count": 5}},
+            "holds prompts for prepare.synthesize.count=3, params say 5: run the synthesize",
+        ),
+        (
+            None,
+            {"synthesized_share": 0.5},
+            "prepare.synthesized_share is 0.5 but prepare.synthesize.count is 0",
+        ),
+        (
+            5,
+            {"synthesize": {"count": 5}, "synthesized_share": 0.5, "prompts": "EMPTY"},
+            "prepare.synthesized_share=0.5 takes no prompt from 5 synthesized and 0 given",
+        ),
+    ],
+    ids=["not-synthesized", "stale", "share-without-count", "nothing-given"],
+)
+def test_synthesized_source_errors_in_one_line(
+    tmp_path: Path, capsys, synthesized: int | None, prepare: dict, expected: str
+) -> None:
+    if synthesized is not None:
+        _synthesized(tmp_path, synthesized)
+    if prepare.get("prompts") == "EMPTY":
+        prepare["prompts"] = str(tmp_path / "given.jsonl")
+        (tmp_path / "given.jsonl").write_text(json.dumps({"id": "a", "messages": []}) + "\n")
+    rc, err, _ = _prepare(tmp_path, capsys, **prepare)
+    assert rc == 2 and expected in err and err.count("\n") == 1, err
+    assert not (tmp_path / "data/prepared").exists()

@@ -1,0 +1,191 @@
+"""Samplers: a batch of prompts (token ids) -> one completion each, seeded per call.
+
+`vllm`: vLLM's in-process engine (`vllm.LLM`), started as extract starts its own: the
+verifier's own dtype (vLLM's "auto" would run a float32 checkpoint in bf16), params.vllm
+(max_model_len, enforce_eager, engine flags of extra_args such as --dtype), the CPU patches, the
+workspace's caches. vLLM on CPU refuses per-request seeds ("CPU Generator does not use offset");
+what is reproducible is `torch.manual_seed(seed)` right before `generate` of the same list, so
+a call is seeded as a whole and the caller keeps its batches fixed.
+`hf`: transformers `generate` with sampling, seeded the same way (left-padded batches).
+
+A completion is the ids the model emitted and whether its turn ended (a stop string or id, or
+the model's end of sequence) rather than running into `max_tokens`; the caller decodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+from eagle3_pipeline import generation_rows
+from eagle3_pipeline.params import Params
+from eagle3_pipeline.progress import log
+from eagle3_pipeline.verifier import identity as vf
+from eagle3_pipeline.verifier import loading
+
+STAGE = "synthesize"
+
+
+@dataclass(frozen=True)
+class Request:
+    """How every prompt of one call is continued; temperature 0 is greedy."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class Completion(NamedTuple):
+    token_ids: list[int]
+    ended: bool  # False: still open at max_tokens
+
+
+class Sampler(Protocol):
+    def generate(
+        self, prompts: Sequence[Sequence[int]], request: Request, seed: int
+    ) -> list[Completion]: ...
+
+
+class VllmSampler:
+    """vLLM's in-process engine, started once."""
+
+    def __init__(self, params: Params) -> None:
+        from vllm import LLM
+
+        from eagle3_pipeline.serving import cpu_patches
+        from eagle3_pipeline.serving.hidden_states import engine_dtype, engine_overrides
+        from eagle3_pipeline.serving.server import patch_cpu_kernel_rebind
+        from eagle3_pipeline.serving.server_spec import model_args
+
+        path = params.verifier.path
+        kwargs = model_args(params, dtype=engine_dtype(vf.read_config(path)))
+        kwargs |= {"seed": params.prepare.synthesize.seed}
+        kwargs |= engine_overrides(params.vllm.extra_args)
+        log(STAGE, f"starting vLLM in process (dtype {kwargs['dtype']}, {path})")
+        patch_cpu_kernel_rebind()
+        cpu_patches.patch_in_process(path)  # MLA on CPU: the rope fix
+        with _engine_env():
+            self.llm = LLM(**kwargs)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], request: Request, seed: int
+    ) -> list[Completion]:
+        import torch
+        from vllm import SamplingParams
+
+        sampling = SamplingParams(
+            n=1,
+            temperature=request.temperature,
+            top_p=request.top_p if request.temperature > 0 else 1.0,
+            max_tokens=request.max_tokens,
+            stop=list(request.stop),
+            stop_token_ids=list(request.stop_token_ids),
+            skip_special_tokens=False,
+            include_stop_str_in_output=False,
+        )
+        torch.manual_seed(seed)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False
+        )
+        return [
+            Completion(list(o.outputs[0].token_ids), o.outputs[0].finish_reason == "stop")
+            for o in outputs
+        ]
+
+    def close(self) -> None:
+        del self.llm
+        gc.collect()
+
+
+@contextlib.contextmanager
+def _engine_env() -> Iterator[None]:
+    """In-process engine core, offline, caches in the workspace; only while vLLM starts (as
+    extract's engine: serving/hidden_states.py)."""
+    from eagle3_pipeline.serving.server import server_env
+
+    wanted = server_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    saved = {k: os.environ.get(k) for k, v in wanted.items() if os.environ.get(k) != v}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class HfSampler:
+    """transformers `generate`, in this process."""
+
+    def __init__(self, params: Params, tokenizer: Any) -> None:
+        log(STAGE, f"loading the verifier with transformers ({params.verifier.path})")
+        self.tokenizer = tokenizer
+        self.model = loading.load_model(params)
+        self.eos = generation_rows.end_of_turn_ids(tokenizer, self.model)
+        pad = tokenizer.pad_token_id
+        self.pad = pad if pad is not None else self.eos[0]
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], request: Request, seed: int
+    ) -> list[Completion]:
+        import torch
+
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad] * (width - len(p)) + list(p) for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        stop_ids = list(dict.fromkeys([*request.stop_token_ids, *self.eos]))
+        if request.temperature > 0:
+            sampling = {
+                "do_sample": True,
+                "temperature": request.temperature,
+                "top_p": request.top_p,
+                "top_k": 0,  # as vLLM: no top-k unless asked
+            }
+        else:
+            sampling = {"do_sample": False}
+        if request.stop:
+            sampling |= {"stop_strings": list(request.stop), "tokenizer": self.tokenizer}
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=request.max_tokens,
+                eos_token_id=stop_ids,
+                pad_token_id=self.pad,
+                **sampling,
+            )
+        done = []
+        for toks in out[:, width:].tolist():
+            end = next((i for i, t in enumerate(toks) if t in stop_ids), None)
+            if end is not None:
+                done.append(Completion(toks[: end + 1], True))
+                continue
+            text = self.tokenizer.decode(toks, skip_special_tokens=False)
+            done.append(Completion(toks, any(s in text for s in request.stop)))
+        return done
+
+    def close(self) -> None:
+        del self.model
+        gc.collect()
+
+
+@contextlib.contextmanager
+def open_sampler(params: Params, tokenizer: Any) -> Iterator[Sampler]:
+    """The backend of prepare.synthesize.backend, closed on exit."""
+    if params.prepare.synthesize.backend == "vllm":
+        sampler: VllmSampler | HfSampler = VllmSampler(params)
+    else:
+        sampler = HfSampler(params, tokenizer)
+    try:
+        yield sampler
+    finally:
+        sampler.close()
