@@ -1,0 +1,145 @@
+"""The verifier's chat template: where transformers 5's AutoTokenizer reads it, and whether it
+renders a conversation with generate.chat_template_kwargs; each failure one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from plan_cases import REPO
+
+from eagle3_pipeline.cli import main
+from eagle3_pipeline.errors import VerifierError
+from eagle3_pipeline.params import Params, load_params
+from eagle3_pipeline.plan import support, template
+
+TEMPLATE = (
+    "{%- for m in messages -%}<{{ m.role }}>{{ m.content }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<assistant>{%- if thinking %}<think>{% endif -%}{%- endif -%}"
+)
+# Refuses a kwarg value it cannot use, as Qwen3's and Kimi's templates do with their switches.
+STRICT = (
+    "{%- if thinking is defined and thinking is not boolean -%}"
+    "{{ raise_exception('thinking must be true or false') }}{%- endif -%}" + TEMPLATE
+)
+DROPS_CONTENT = "{%- for m in messages -%}<{{ m.role }}>{%- endfor -%}"
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "num_hidden_layers": 8,
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 2048,
+}
+
+
+def _tokenizer(folder: Path, template: str | None) -> Path:
+    """A character-level tokenizer with <think> tokens, saved as transformers 5 saves one (the
+    template as chat_template.jinja)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = ["<unk>", "<s>", "</s>", "<think>", "</think>"] + [chr(c) for c in range(32, 127)]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=["<think>", "</think>"],
+    )
+    if template is not None:
+        fast.chat_template = template
+    folder.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(folder)
+    return folder
+
+
+def _params(folder: Path, **kwargs: object) -> Params:
+    params = load_params(REPO / "profiles/tiny-llama.yaml").model_copy(deep=True)
+    params.verifier.source, params.verifier.path = "pretrained", str(folder)
+    params.generate.chat_template_kwargs = kwargs or {"thinking": True}
+    return params
+
+
+def test_template_renders_with_the_kwargs(tmp_path: Path) -> None:
+    folder = _tokenizer(tmp_path / "v", STRICT)
+    t = template.check_chat_template(_params(folder), folder, required=True)
+    assert (t.source, t.rendered) == ("chat_template.jinja", True)
+    assert t.record() == {"source": "chat_template.jinja", "rendered": True}
+
+
+def test_template_in_tokenizer_config_is_read_too(tmp_path: Path) -> None:
+    folder = _tokenizer(tmp_path / "v", None)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg | {"chat_template": TEMPLATE}))
+    t = template.check_chat_template(_params(folder), folder, required=True)
+    assert (t.source, t.rendered) == ("tokenizer_config.json", True)
+
+
+def test_no_template_is_one_line(tmp_path: Path) -> None:
+    folder = _tokenizer(tmp_path / "v", None)
+    with pytest.raises(VerifierError, match="no chat template") as err:
+        template.check_chat_template(_params(folder), folder, required=False)
+    assert "\n" not in str(err.value) and "chat_template.jinja" in str(err.value)
+
+
+def test_processor_template_file_alone_is_named(tmp_path: Path) -> None:
+    """chat_template.json is a processor's file: AutoTokenizer, as the stages load the
+    tokenizer, leaves chat_template unset."""
+    folder = _tokenizer(tmp_path / "v", None)
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    with pytest.raises(VerifierError, match="in a processor's file") as err:
+        template.check_chat_template(_params(folder), folder, required=False)
+    assert "chat_template.jinja" in str(err.value)
+
+
+def test_template_failing_with_the_kwargs_names_them(tmp_path: Path) -> None:
+    folder = _tokenizer(tmp_path / "v", STRICT)
+    with pytest.raises(VerifierError) as err:
+        template.check_chat_template(_params(folder, thinking="yes"), folder, required=False)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"{folder}/chat_template.jinja: ")
+    assert "{'thinking': 'yes'}" in line and "thinking must be true or false" in line
+
+
+def test_template_dropping_the_users_message_is_refused(tmp_path: Path) -> None:
+    folder = _tokenizer(tmp_path / "v", DROPS_CONTENT)
+    with pytest.raises(VerifierError, match="drops the user's message"):
+        template.check_chat_template(_params(folder), folder, required=False)
+
+
+def test_no_tokenizer_is_a_note_for_plan_and_an_error_for_the_check_stage(tmp_path: Path) -> None:
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    t = template.check_chat_template(_params(folder), folder, required=False)
+    assert not t.rendered and t.describe().endswith("not checked")
+    with pytest.raises(VerifierError, match="the tokenizer does not load"):
+        template.check_chat_template(_params(folder), folder, required=True)
+
+
+def test_tiny_verifier_not_built_uses_the_projects_template() -> None:
+    t = template.check_chat_template(_params(Path("unused")), None, required=True)
+    assert t.record() == {"source": "the project's own (verifier/tiny.py)", "rendered": False}
+
+
+def test_plan_refuses_a_verifier_without_template(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where it was a remark in the token line, it is now one error line and exit 2."""
+    monkeypatch.setattr(support, "CACHE", tmp_path / "vllm_classes.json")
+    folder = _tokenizer(tmp_path / "v", None)
+    (folder / "config.json").write_text(json.dumps(LLAMA))
+    argv = ["plan", "--params", str(REPO / "profiles/tiny-llama.yaml")]
+    assert main([*argv, "--verifier-config", str(folder), "--tokens", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{folder}: no chat template" in err
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    assert main([*argv, "--verifier-config", str(folder), "--tokens", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "template    chat_template.jinja: renders a conversation" in out
+    assert "vLLM        " in out and "LlamaForCausalLM (model registry) implements" in out
