@@ -52,6 +52,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from eagle3_pipeline.evaluation import speedup  # noqa: E402
 from eagle3_pipeline.serving.served_with import served_with  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -227,7 +228,7 @@ def online_detail(evaluation: dict[str, Any]) -> tuple[bool, str]:
     near = f" ({lossless.get('num_near_ties', 0)} near ties)" if verdict == "near_ties" else ""
     detail = (
         f"mean acceptance length {online['mean_acceptance_length']:.3f}, acceptance rate "
-        f"{online.get('acceptance_rate', float('nan')):.1%}, x{online.get('speedup', 0):.2f} "
+        f"{online.get('acceptance_rate', float('nan')):.1%}, {speedup.cell(online)} "
         f"tokens/s, greedy identical {identical}, lossless {verdict}{near}, MISMATCH {mismatch}"
     )
     return (not mismatch and verdict != "diverged"), detail

@@ -32,19 +32,3 @@ def served_acceptance(counts: dict[str, float], k: int) -> dict[str, Any]:
         counts["num_accepted_tokens"],
         [counts[f"accepted_pos_{p}"] for p in range(k)],
     )
-
-
-def served_row(
-    tokens: int, wall: float, tokens_base: int, wall_base: float, counters: dict, k: int
-) -> dict[str, Any]:
-    """One served run's acceptance and output tokens/s beside the baseline's (same prompts)."""
-    tps = tokens / wall if wall > 0 else 0.0
-    tps_base = tokens_base / wall_base if wall_base > 0 else 0.0
-    served = served_acceptance(counters, k)
-    return {
-        "mean_acceptance_length": served["mean_acceptance_length"],
-        "acceptance_rate": served["acceptance_rate"],
-        "tokens_per_s": tps,
-        "tokens_per_s_baseline": tps_base,
-        "speedup": tps / tps_base if tps_base else 0.0,
-    }

@@ -2,9 +2,13 @@
 best, not only at the common count.
 
 More drafts accept more tokens per verification but cost more to draft (a chained drafter one
-pass per draft) and to verify, so the best count is the one with the most output tokens/s, which
-only vLLM's own runs show. Each count's row sits beside the simulation's walk at that count (the
-like-for-like check of acceptance, as at the common count).
+pass per draft) and to verify, so the best count is the one with the highest speed-up, which
+only vLLM's own runs show. Each count's server is timed against the baseline's in paired rounds
+as the common count's is (evaluation/speedup.py): the counts' servers run at different moments,
+so their tokens/s do not compare with each other, but each one's ratio to the baseline beside it
+does. A count whose rounds spread too wide has no speed-up and cannot be the best. Each count's
+row sits beside the simulation's walk at that count (the like-for-like check of acceptance, as
+at the common count).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from eagle3_pipeline.evaluation import acceptance
+from eagle3_pipeline.evaluation.acceptance import served_acceptance
 
 if TYPE_CHECKING:
     from eagle3_pipeline.evaluation.offline import Simulation
@@ -20,21 +24,34 @@ if TYPE_CHECKING:
     from eagle3_pipeline.params import EvaluateParams
 
 
-def row(baseline: RunResult, run: RunResult, k: int) -> dict[str, Any]:
-    """vLLM's acceptance and throughput of the drafter served at `k` drafts."""
+def row(baseline: RunResult, run: RunResult, timing: Mapping[str, Any], k: int) -> dict[str, Any]:
+    """vLLM's acceptance (the full pass) and the speed-up (`timing`: the paired rounds' keys,
+    speedup.judge) of the drafter served at `k` drafts."""
+    served = served_acceptance(run.counters, k)
     same_outputs = (run.token_ids, run.texts) == (baseline.token_ids, baseline.texts)
-    return acceptance.served_row(
-        run.output_tokens, run.wall_s, baseline.output_tokens, baseline.wall_s, run.counters, k
-    ) | {"greedy_outputs_identical": same_outputs}
+    return {
+        "mean_acceptance_length": served["mean_acceptance_length"],
+        "acceptance_rate": served["acceptance_rate"],
+        **timing,
+        "greedy_outputs_identical": same_outputs,
+    }
 
 
-def section(baseline: RunResult, runs: Mapping[int, RunResult]) -> dict[str, Any]:
-    """eval.json `online` keys for the drafter served at each count of `runs` (empty for one)."""
+def section(
+    baseline: RunResult, runs: Mapping[int, tuple[RunResult, Mapping[str, Any]]]
+) -> dict[str, Any]:
+    """eval.json `online` keys for the drafter served at each count of `runs` (its full pass and
+    paired rounds' keys; empty for one count). The best count: the highest speed-up among those
+    that have one; None when none has."""
     if len(runs) < 2:
         return {}
-    by = {str(k): row(baseline, run, k) for k, run in sorted(runs.items())}
-    best = max(by, key=lambda k: by[k]["tokens_per_s"])
-    return {"by_num_speculative_tokens": by, "best_num_speculative_tokens": int(best)}
+    by = {str(k): row(baseline, run, timing, k) for k, (run, timing) in sorted(runs.items())}
+    figures = {k: r["speedup"] for k, r in by.items() if r.get("speedup") is not None}
+    best = max(figures, key=lambda k: figures[k]) if figures else None
+    return {
+        "by_num_speculative_tokens": by,
+        "best_num_speculative_tokens": int(best) if best is not None else None,
+    }
 
 
 def same_prompts(sim: Simulation, e: EvaluateParams) -> dict[str, Any]:

@@ -5,13 +5,18 @@ mapping, norm flags, another verifier): only vLLM's own counters show that draft
 The run without speculation is the throughput baseline and, at temperature 0, the reference
 output that speculative decoding must reproduce: both runs request top-k logprobs, so that a
 divergence can be judged as vLLM judges its own (evaluation/losslessness.py).
+
+The speed-up is not read off those two runs: both servers stay up and are timed again in paired
+rounds, the order alternating, and the median ratio counts only when the rounds agree
+(evaluation/speedup.py; `paired_rounds` below).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -19,9 +24,10 @@ from typing import Any
 import requests
 
 from eagle3_pipeline.errors import ServerError
-from eagle3_pipeline.evaluation import draft_sweep
+from eagle3_pipeline.evaluation import draft_sweep, speedup
 from eagle3_pipeline.evaluation import losslessness as lossless
-from eagle3_pipeline.evaluation.acceptance import served_acceptance, served_row
+from eagle3_pipeline.evaluation.acceptance import served_acceptance
+from eagle3_pipeline.progress import log
 from eagle3_pipeline.serving.chat import (
     ChatClient,
     ChatReply,
@@ -51,10 +57,13 @@ class Settings:
     request_timeout_s: float = 600.0
     max_retries: int = 4  # transient failures (no answer, 5xx), as chat.py retries them
     served_model_name: str = SERVED_NAME
-    top_logprobs: int = 5  # per generated token, for the losslessness verdict
+    # per generated token, for the losslessness verdict; 0: none asked (the timing rounds)
+    top_logprobs: int = 5
     near_tie_nats: float = 0.1  # evaluate.near_tie_nats (params.py)
-    # evaluate.throughput_concurrency: each server timed again on the same prompts at these
+    # evaluate.throughput_concurrency: the pair timed again in rounds at these concurrencies
     throughput_concurrency: tuple[int, ...] = ()
+    speedup_rounds: int = 5  # evaluate.speedup_rounds: paired rounds per concurrency
+    speedup_max_spread: float = 0.25  # evaluate.speedup_max_spread (evaluation/speedup.py)
 
 
 @dataclass
@@ -67,8 +76,6 @@ class RunResult:
     wall_s: float
     counters: dict[str, float]
     logprobs: list[list[lossless.TokenLogprobs] | None] = field(default_factory=list)
-    # further concurrency -> (output tokens, wall seconds, counter deltas) of the same prompts
-    by_concurrency: dict[int, tuple[int, float, dict[str, float]]] = field(default_factory=dict)
 
     @property
     def output_tokens(self) -> int:
@@ -149,8 +156,9 @@ def settled_counters(url: str, k: int, timeout_s: float = 10.0) -> dict[str, flo
 
 def chat_payload(messages: Messages, settings: Settings, max_tokens: int | None = None) -> dict:
     """Greedy chat request; special tokens kept, token ids and top-k logprobs (tokens as ids)
-    returned so outputs compare fully."""
-    return {
+    returned so outputs compare fully. `settings.top_logprobs` 0: no logprobs asked (a timing
+    round: a user's request, without the verdict's extra work per token)."""
+    payload = {
         "model": settings.served_model_name,
         "messages": messages,
         "temperature": 0.0,
@@ -158,10 +166,14 @@ def chat_payload(messages: Messages, settings: Settings, max_tokens: int | None 
         "chat_template_kwargs": settings.chat_template_kwargs,
         "skip_special_tokens": False,
         "return_token_ids": True,
-        "logprobs": True,
-        "top_logprobs": settings.top_logprobs,
-        "return_tokens_as_token_ids": True,
     }
+    if settings.top_logprobs:
+        payload |= {
+            "logprobs": True,
+            "top_logprobs": settings.top_logprobs,
+            "return_tokens_as_token_ids": True,
+        }
+    return payload
 
 
 @dataclass(frozen=True)
@@ -228,8 +240,7 @@ def run_prompts(
 
 
 def measure(url: str, conversations: Sequence[Messages], settings: Settings) -> RunResult:
-    """Warm the server with one short request, then time the prompts and diff the counters;
-    again at each of `settings.throughput_concurrency` (outputs kept from the first run)."""
+    """Warm the server with one short request, then time the prompts and diff the counters."""
     complete(client(url, settings), chat_payload(conversations[0], settings, max_tokens=4))
     k = settings.num_speculative_tokens
     before = settled_counters(url, k)
@@ -237,37 +248,128 @@ def measure(url: str, conversations: Sequence[Messages], settings: Settings) -> 
     after = settled_counters(url, k)
     counters = delta(before, after) | {"spec_decode_enabled": after["spec_decode_enabled"]}
     ids, texts, counts, logprobs = (list(x) for x in zip(*results, strict=True))
-    run = RunResult(ids, texts, counts, wall, counters, logprobs)
-    for c in settings.throughput_concurrency:
-        if c == settings.concurrency or c in run.by_concurrency:
-            continue
-        before = settled_counters(url, k)
-        again, wall_c = run_prompts(url, conversations, replace(settings, concurrency=c))
-        run.by_concurrency[c] = (
-            sum(n for _, _, n, _ in again),
-            wall_c,
-            delta(before, settled_counters(url, k)),
-        )
-    return run
+    return RunResult(ids, texts, counts, wall, counters, logprobs)
 
 
+# --- servers up together, paired rounds ----------------------------------------------------
+
+
+# Measures one server of the evaluation on prompts; every server it is asked about stays up
+# between calls (`servers_up`; tests pass stand-ins).
 Runner = Callable[[ServerSpec, Sequence[Messages], Settings], RunResult]
 
 
-def serve_and_measure(
+@contextlib.contextmanager
+def servers_up(specs: Sequence[ServerSpec], together: bool) -> Iterator[Runner]:
+    """Start the servers of `specs` and yield a runner measuring on them; all stop on exit.
+
+    `together`: all at once (one start-up's wait, where memory holds them all: the CPU
+    profiles); else one after the other, each kept up while the next starts. Either way all
+    are up at once while the runner is used: the paired rounds need them so. Only one is busy
+    at any time; the others take no requests meanwhile.
+    """
+    with contextlib.ExitStack() as stack:
+        if together:
+            urls = stack.enter_context(serve_many(list(specs)))
+        else:
+            urls = [stack.enter_context(serve(spec)) for spec in specs]
+        by_log = {spec.log_file: url for spec, url in zip(specs, urls, strict=True)}
+
+        def run(
+            spec: ServerSpec, conversations: Sequence[Messages], settings: Settings
+        ) -> RunResult:
+            return measure(by_log[spec.log_file], conversations, settings)
+
+        yield run
+
+
+def serve_alone(
     spec: ServerSpec, conversations: Sequence[Messages], settings: Settings
 ) -> RunResult:
-    with serve(spec) as url:
-        return measure(url, conversations, settings)
+    """Start `spec`'s server, measure, stop it: one server up at a time (evaluate.speedup_rounds
+    0, for a node whose memory holds one verifier: no paired rounds, no speed-up figure)."""
+    with servers_up([spec], together=False) as run:
+        return run(spec, conversations, settings)
 
 
-def serve_together_and_measure(
-    specs: tuple[ServerSpec, ServerSpec], conversations: Sequence[Messages], settings: Settings
-) -> tuple[RunResult, RunResult]:
-    """Both servers started at once (one start-up's wait), then measured one after the other:
-    the idle one takes no requests while the other is timed."""
-    with serve_many(list(specs)) as (first, second):
-        return measure(first, conversations, settings), measure(second, conversations, settings)
+@contextlib.contextmanager
+def also_up(run: Runner, spec: ServerSpec, own_servers: bool) -> Iterator[Runner]:
+    """`run`, and `spec`'s server beside the others for as long as the block lasts (a swept
+    draft count's). With a runner given by the caller (`own_servers` False), that runner is
+    asked about `spec` as about the others."""
+    if not own_servers:
+        yield run
+        return
+    with servers_up([spec], together=False) as run_spec:
+
+        def either(
+            s: ServerSpec, conversations: Sequence[Messages], settings: Settings
+        ) -> RunResult:
+            return (run_spec if s.log_file == spec.log_file else run)(s, conversations, settings)
+
+        yield either
+
+
+@dataclass
+class Paired:
+    """The drafter's server timed against the baseline's in paired rounds at one concurrency;
+    `counters`: the drafter's spec-decode counter deltas summed over its rounds."""
+
+    concurrency: int
+    num_prompts: int
+    rounds: list[speedup.Round] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=dict)
+
+    def section(self, max_spread: float) -> dict[str, Any]:
+        """tokens_per_s, tokens_per_s_baseline, speedup and the speedup_* keys of eval.json."""
+        if not self.rounds:
+            return speedup.not_paired(max_spread)
+        return speedup.judge(self.rounds, max_spread, self.num_prompts)
+
+
+def paired_rounds(
+    run: Runner,
+    baseline_spec: ServerSpec,
+    drafter_spec: ServerSpec,
+    conversations: Sequence[Messages],
+    settings: Settings,
+    concurrency: int,
+) -> Paired:
+    """`settings.speedup_rounds` rounds, each timing both servers (up together) on the same
+    first prompts (`speedup.round_prompts`), the baseline first in rounds 0, 2, 4... and the
+    drafter's server first in 1, 3, 5... (`speedup.first`).
+
+    A round's requests are a user's: greedy, `max_new_tokens`, no logprobs (the full passes
+    ask them for the verdict). Before each timed run the server answers one short request and
+    its counters settle (`measure`), so both sides start a run alike: the full passes before the
+    rounds already sent each server every prompt (prefix caches, allocators warm on both).
+    """
+    if settings.speedup_rounds < 1:
+        return Paired(concurrency, 0)
+    n = speedup.round_prompts(len(conversations), settings.speedup_rounds, concurrency)
+    timed = replace(settings, concurrency=concurrency, top_logprobs=0, throughput_concurrency=())
+    prompts = conversations[:n]
+    paired = Paired(concurrency, n)
+    for i in range(settings.speedup_rounds):
+        order = [baseline_spec, drafter_spec]
+        if speedup.first(i) == speedup.DRAFTER:
+            order.reverse()
+        got = {spec.log_file: run(spec, prompts, timed) for spec in order}
+        base, drafted = got[baseline_spec.log_file], got[drafter_spec.log_file]
+        paired.rounds.append(
+            speedup.Round(drafted.output_tokens, drafted.wall_s, base.output_tokens, base.wall_s)
+        )
+        for key, value in drafted.counters.items():
+            if key != "spec_decode_enabled":
+                paired.counters[key] = paired.counters.get(key, 0.0) + value
+        ratio = paired.rounds[-1].ratio
+        log(
+            "evaluate",
+            f"speed-up round {i + 1}/{settings.speedup_rounds} at concurrency {concurrency} "
+            f"({speedup.first(i)} first, {n} prompts): {drafted.tokens_per_s:.1f} vs "
+            f"{base.tokens_per_s:.1f} tokens/s" + (f" (x{ratio:.2f})" if ratio is not None else ""),
+        )
+    return paired
 
 
 # --- both runs -------------------------------------------------------------------------------
@@ -342,38 +444,37 @@ def verdict(
     )
 
 
+def _acceptance(counters: dict[str, float], k: int) -> dict[str, Any]:
+    served = served_acceptance(counters, k)
+    return {key: served[key] for key in ("mean_acceptance_length", "acceptance_rate")}
+
+
 def online_section(
-    baseline: RunResult, spec: RunResult, k: int, concurrency: int | None = None
+    baseline: RunResult,
+    spec: RunResult,
+    k: int,
+    timed: dict[int, Paired],
+    concurrency: int,
+    max_spread: float,
 ) -> dict[str, Any]:
-    """The `online` block of metrics/eval.json; `by_concurrency` (keyed by the concurrency as
-    a string) when the servers were timed at more than one."""
-    speedup = spec.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else 0.0
+    """The `online` block of metrics/eval.json: acceptance and output tokens of the full passes,
+    tokens/s and the speed-up of the paired rounds at `concurrency` (evaluation/speedup.py);
+    `by_concurrency` (keyed by the concurrency as a string) when the pair was timed at more than
+    one, each row's acceptance counted over the drafter's rounds there (the full pass's at
+    `concurrency`)."""
     section = {
         "num_prompts": len(spec.texts),
         **served_acceptance(spec.counters, k),
         "output_tokens": spec.output_tokens,
         "output_tokens_baseline": baseline.output_tokens,
-        "tokens_per_s": spec.tokens_per_s,
-        "tokens_per_s_baseline": baseline.tokens_per_s,
-        "speedup": speedup,
+        **timed[concurrency].section(max_spread),
     }
-    more = sorted(set(spec.by_concurrency) & set(baseline.by_concurrency))
-    if more:
-        by = {}
-        if concurrency is not None:
-            by[str(concurrency)] = served_row(
-                spec.output_tokens,
-                spec.wall_s,
-                baseline.output_tokens,
-                baseline.wall_s,
-                spec.counters,
-                k,
-            )
-        for c in more:
-            tokens, wall, counters = spec.by_concurrency[c]
-            tokens_base, wall_base, _ = baseline.by_concurrency[c]
-            by[str(c)] = served_row(tokens, wall, tokens_base, wall_base, counters, k)
-        section["by_concurrency"] = by
+    if len(timed) > 1:
+        section["by_concurrency"] = {
+            str(c): _acceptance(spec.counters if c == concurrency else paired.counters, k)
+            | paired.section(max_spread)
+            for c, paired in sorted(timed.items())
+        }
     return section
 
 
@@ -389,42 +490,64 @@ def evaluate(
     family: str = "eagle3",
     sweep: Sequence[int] = (),
 ) -> tuple[dict[str, Any], list[int], lossless.Verdict]:
-    """Serve without, then with the drafter; (online section, indices of differing outputs,
+    """Serve with and without the drafter; (online section, indices of differing outputs,
     losslessness verdict naming prompts by `prompt_ids`, default their indices).
 
-    Measured one after the other, never side by side: two servers busy on the same cores would
-    skew the throughputs. `start_together` starts both servers at once (where memory holds two)
-    and measures them in turn. `runner` replaces `serve_and_measure` (tests record the servers
-    they start). `sweep`: further draft counts, the drafter served again at each
+    Both servers come up (at once with `start_together`, where memory holds two; else one after
+    the other) and stay up to the end. Each first answers every prompt once, in turn, never
+    side by side (two busy servers would share the cores): vLLM's acceptance counters and the
+    outputs the verdict compares come from these full passes, as before. Then the paired rounds
+    (`paired_rounds`) time the pair at `settings.concurrency` and again at each of
+    `settings.throughput_concurrency`; eval.json's tokens/s and speed-up are theirs. With
+    `settings.speedup_rounds` 0 the servers run one at a time (`serve_alone`), the full passes
+    only, and there is no speed-up figure.
+
+    `runner` measures on servers the caller keeps up for the whole call (tests, and servers
+    started for several evaluations); None: `servers_up` starts them. `sweep`: further draft
+    counts, each served beside the two (one server start each, three up meanwhile), given a
+    full pass and paired rounds against the baseline at `settings.concurrency`
     (evaluation.draft_sweep).
     """
     if not conversations:
         raise ValueError("online evaluation needs at least one prompt")
     k = settings.num_speculative_tokens
     baseline_spec, eagle_spec = server_specs(base, drafter, k, log_dir, family)
-    if start_together and runner is None:
-        baseline, spec = serve_together_and_measure(
-            (baseline_spec, eagle_spec), conversations, settings
-        )
-    else:
-        runner = runner or serve_and_measure
-        baseline = runner(baseline_spec, conversations, settings)
-        spec = runner(eagle_spec, conversations, settings)
-    if not spec.counters.get("spec_decode_enabled"):
-        raise ServerError(
-            f"vLLM was started with the drafter but its /metrics has no {SPEC_PREFIX}* "
-            f"counters: speculative decoding is off; see {eagle_spec.log_file}"
-        )
-    runs = {k: spec}
-    for n in (n for n in sweep if n not in runs):
-        _, at_n = server_specs(base, drafter, n, log_dir, family)
-        at_n = replace(at_n, log_file=log_dir / f"vllm-{family}-k{n}.log")
-        sweep_settings = replace(settings, num_speculative_tokens=n, throughput_concurrency=())
-        runs[n] = (runner or serve_and_measure)(at_n, conversations, sweep_settings)
+    paired_up = settings.speedup_rounds > 0
+    with contextlib.ExitStack() as stack:
+        if runner is not None:
+            run = runner
+        elif paired_up:
+            run = stack.enter_context(servers_up([baseline_spec, eagle_spec], start_together))
+        else:
+            run = serve_alone
+        baseline = run(baseline_spec, conversations, settings)
+        spec = run(eagle_spec, conversations, settings)
+        if not spec.counters.get("spec_decode_enabled"):
+            raise ServerError(
+                f"vLLM was started with the drafter but its /metrics has no {SPEC_PREFIX}* "
+                f"counters: speculative decoding is off; see {eagle_spec.log_file}"
+            )
+        timed: dict[int, Paired] = {}
+        for c in (settings.concurrency, *(settings.throughput_concurrency if paired_up else ())):
+            if c not in timed:
+                timed[c] = paired_rounds(run, baseline_spec, eagle_spec, conversations, settings, c)
+        runs = {k: (spec, timed[settings.concurrency])}
+        for n in (n for n in sweep if n not in runs):
+            _, at_n = server_specs(base, drafter, n, log_dir, family)
+            at_n = replace(at_n, log_file=log_dir / f"vllm-{family}-k{n}.log")
+            at_settings = replace(settings, num_speculative_tokens=n, throughput_concurrency=())
+            with also_up(run, at_n, own_servers=runner is None and paired_up) as run_n:
+                drafted = run_n(at_n, conversations, at_settings)
+                paired = paired_rounds(
+                    run_n, baseline_spec, at_n, conversations, at_settings, settings.concurrency
+                )
+            runs[n] = (drafted, paired)
     names = list(prompt_ids) if prompt_ids is not None else [str(i) for i in range(len(spec.texts))]
-    section = online_section(baseline, spec, k, settings.concurrency)
+    spread = settings.speedup_max_spread
+    section = online_section(baseline, spec, k, timed, settings.concurrency, spread)
+    swept = {n: (drafted, paired.section(spread)) for n, (drafted, paired) in runs.items()}
     return (
-        section | draft_sweep.section(baseline, runs),
+        section | draft_sweep.section(baseline, swept),
         mismatched_prompts(baseline, spec),
         verdict(names, baseline, spec, settings),
     )

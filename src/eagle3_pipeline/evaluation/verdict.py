@@ -9,7 +9,7 @@ from typing import Any
 
 from eagle3_pipeline import paths
 from eagle3_pipeline.errors import ServerError
-from eagle3_pipeline.evaluation import draft_sweep
+from eagle3_pipeline.evaluation import draft_sweep, speedup
 from eagle3_pipeline.evaluation.losslessness import Verdict
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.progress import log
@@ -83,16 +83,14 @@ def online_verdict(
     log(
         STAGE,
         f"vLLM: mean acceptance length {mal:.3f} ({what} {reference:.3f}), acceptance rate "
-        f"{section['acceptance_rate']:.1%}, {section['tokens_per_s']:.1f} vs "
-        f"{section['tokens_per_s_baseline']:.1f} output tokens/s without the drafter "
-        f"(x{section['speedup']:.2f}) on {section['num_prompts']} val prompts",
+        f"{section['acceptance_rate']:.1%} on {section['num_prompts']} val prompts; "
+        f"{speedup.throughput(section)}",
     )
     for c, row in section.get("by_concurrency", {}).items():
         log(
             STAGE,
-            f"vLLM at concurrency {c}: {row['tokens_per_s']:.1f} vs "
-            f"{row['tokens_per_s_baseline']:.1f} output tokens/s (x{row['speedup']:.2f}), mean "
-            f"acceptance length {row['mean_acceptance_length']:.3f}",
+            f"vLLM at concurrency {c}: mean acceptance length "
+            f"{row['mean_acceptance_length']:.3f}; {speedup.throughput(row)}",
         )
     section = draft_sweep.with_simulated(section, offline_same, e.num_speculative_tokens)
     for n, row in section.get("by_num_speculative_tokens", {}).items():
@@ -101,7 +99,7 @@ def online_verdict(
             STAGE,
             f"vLLM at {n} drafts: mean acceptance length {row['mean_acceptance_length']:.3f}"
             + (f" (simulated {walked:.3f})" if walked is not None else "")
-            + f", x{row['speedup']:.2f}"
+            + f", {speedup.cell(row)}"
             + (" <- best" if int(n) == section["best_num_speculative_tokens"] else ""),
         )
     if mismatch:

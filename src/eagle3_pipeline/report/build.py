@@ -17,6 +17,7 @@ from typing import Any
 
 from eagle3_pipeline import atomic
 from eagle3_pipeline.errors import PipelineError
+from eagle3_pipeline.evaluation import speedup
 from eagle3_pipeline.report import comparison, render, series, sources
 
 OUT_DIR = Path("report")
@@ -107,15 +108,17 @@ def _best_row(rev: str, drafter: str, online: dict[str, Any]) -> list[list[str]]
 
 
 def _headline_row(rev: str, drafter: str, mode: str, r: Any) -> list[str]:
-    """One row: a summary's acceptance figures, and its speedup where it was served."""
+    """One row: a summary's acceptance figures, and its speedup where it was served (the
+    median of paired rounds, or "none (spread S)" where they spread too wide to trust)."""
     r = r if isinstance(r, dict) else {}
+    served = speedup.cell(r)
     return [
         rev,
         drafter,
         mode,
         comparison.number(r.get("mean_acceptance_length"), ".3f"),
         comparison.number(r.get("acceptance_rate"), ".1%"),
-        comparison.number(r.get("speedup"), ".2f") if mode != "offline" else "",
+        served.removeprefix("x") if mode != "offline" else "",
     ]
 
 

@@ -2,7 +2,9 @@
 
 `make train` prints it last, so a families profile ends with the comparison its user came for:
 simulated and served acceptance at the same number of draft tokens, the speedup with and at the
-best draft count, losslessness, and whether each drafter learned (untrained -> trained).
+best draft count, losslessness, and whether each drafter learned (untrained -> trained). Each
+speedup is the median of paired rounds against a baseline timed beside that drafter; where the
+rounds spread too wide the cell says "none (spread S)" instead of a figure (evaluation/speedup.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 from eagle3_pipeline import paths, readers
 from eagle3_pipeline.errors import DataError
+from eagle3_pipeline.evaluation import speedup
 from eagle3_pipeline.params import Params
 
 HEAD = (
@@ -41,8 +44,6 @@ def number(x: Any, spec: str) -> str:
 
 def _row(name: str, family: str, drafting: str, ev: dict[str, Any], learned: str) -> list[str]:
     online = ev.get("online") or {}
-    best = online.get("best_num_speculative_tokens")
-    at_best = (online.get("by_num_speculative_tokens") or {}).get(str(best)) or {}
     with_and_without = [online.get("tokens_per_s"), online.get("tokens_per_s_baseline")]
     return [
         name,
@@ -51,11 +52,22 @@ def _row(name: str, family: str, drafting: str, ev: dict[str, Any], learned: str
         number((ev.get("offline") or {}).get("trained", {}).get("mean_acceptance_length"), ".3f"),
         number(online.get("mean_acceptance_length"), ".3f"),
         "/".join(number(x, ".1f") for x in with_and_without),
-        "x" + number(online.get("speedup"), ".2f") if online else "-",
-        f"{best}: x{number(at_best.get('speedup'), '.2f')}" if at_best else "-",
+        speedup.cell(online) if online else "-",
+        _best(online),
         (ev.get("lossless") or {}).get("verdict", "-") if online else "-",
         learned,
     ]
+
+
+def _best(online: dict[str, Any]) -> str:
+    """The draft count with the highest speedup and that speedup; "none" when the counts were
+    swept but none has a figure."""
+    swept = online.get("by_num_speculative_tokens") or {}
+    best = online.get("best_num_speculative_tokens")
+    if best is None:
+        return "none" if swept else "-"
+    at_best = swept.get(str(best)) or {}
+    return f"{best}: {speedup.cell(at_best)}" if at_best else "-"
 
 
 def _train_learned(ev: dict[str, Any]) -> str:

@@ -2,7 +2,9 @@
 with `families` branches, every drafter of the run in one table.
 
 The numbers are this run's only if metrics/eval.json was measured under the current params: its
-provenance record says which params it was; a mismatch is said first and plainly, exit 1.
+provenance record says which params it was; a mismatch is said first and plainly, exit 1. The
+speed-up is printed with the paired rounds it is the median of, or, when they spread too wide to
+trust, as no figure with the reason (evaluation/speedup.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import sys
 
 from eagle3_pipeline import paths, provenance
 from eagle3_pipeline.errors import PipelineError
+from eagle3_pipeline.evaluation import speedup
 from eagle3_pipeline.params import load_params
 from eagle3_pipeline.report import comparison
 
@@ -73,9 +76,7 @@ def main() -> int:
     if online:
         print(
             f"online (vLLM): mean acceptance length {online['mean_acceptance_length']:.3f}, "
-            f"acceptance rate {online['acceptance_rate']:.1%}, "
-            f"{online['tokens_per_s']:.1f} tokens/s with the drafter vs "
-            f"{online['tokens_per_s_baseline']:.1f} without (x{online['speedup']:.2f}); "
+            f"acceptance rate {online['acceptance_rate']:.1%}, {speedup.throughput(online)}; "
             f"greedy outputs identical: {ev.get('greedy_outputs_identical')}"
         )
         if ev.get("mismatch"):

@@ -1,6 +1,7 @@
 """Stage `evaluate`: simulated acceptance of the trained drafter vs an untrained one (and, with
 `train.init_from`, the init checkpoint as published, read with its own conventions), on val,
-and (evaluate.online) vLLM's real acceptance and throughput with and without the drafter.
+and (evaluate.online) vLLM's real acceptance with the drafter and its speed-up over the verifier
+served without it (paired rounds: evaluation/speedup.py).
 
 The untrained drafter (same shape, same vocab, random weights) is the floor: a trained drafter
 that does not beat it clearly has learned nothing, whatever its loss curve says. The online run
@@ -285,9 +286,15 @@ def run_online(
     work: Path = WORK_DIR,
     aux_layer_ids: list[int] | None = None,
 ) -> tuple[dict[str, Any], list[str], Verdict]:
-    """Serve the verifier without, then with the drafter (of `family`, served from
+    """Serve the verifier with and without the drafter (of `family`, served from
     `drafter_dir`, logs in `work`); (online section, differing ids, losslessness verdict).
-    `aux_layer_ids`: the layers the drafter was trained on, which vLLM must have captured."""
+    `aux_layer_ids`: the layers the drafter was trained on, which vLLM must have captured.
+
+    `evaluate` and every `family@NAME` branch come here alike: both servers up, one full pass
+    each (acceptance, losslessness), then evaluate.speedup_rounds paired rounds, the order
+    alternating, at evaluate.concurrency and each of evaluate.throughput_concurrency: every
+    drafter's speed-up is the median ratio against a baseline timed beside it, or none when
+    its rounds spread more than evaluate.speedup_max_spread (evaluation/speedup.py)."""
     e = params.evaluate
     rows = val_conversations(e.max_eval_prompts)
     settings = online_eval.Settings(
@@ -299,6 +306,8 @@ def run_online(
         top_logprobs=e.top_logprobs,
         near_tie_nats=e.near_tie_nats,
         throughput_concurrency=tuple(e.throughput_concurrency),
+        speedup_rounds=e.speedup_rounds,
+        speedup_max_spread=e.speedup_max_spread,
     )
     # No reasoning parser: the whole completion (reasoning included) is what the runs compare.
     base = verifier_spec(params, work / "vllm.log")

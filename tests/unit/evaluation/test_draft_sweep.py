@@ -1,6 +1,6 @@
 """evaluate.num_speculative_tokens_sweep without vLLM: the drafter served again at each further
-count (its own server and log, the same baseline), each count's row beside the simulated walk
-at that count, and the best count by output tokens/s."""
+count (its own server and log, the same baseline, paired rounds against it), each count's row
+beside the simulated walk at that count, and the best count by its speed-up."""
 
 from __future__ import annotations
 
@@ -25,9 +25,14 @@ def test_each_count_is_served_on_its_own_server_and_the_best_is_the_fastest(
     served: list[tuple[int | None, str, tuple[int, ...]]] = []
     walls = {None: 2.0, 3: 1.0, 1: 1.6, 5: 0.8}  # tokens/s: 2 without, 4, 2.5, 5
 
+    rounds: list[tuple[int | None, int]] = []
+
     def runner(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
         k = (spec.speculative_config or {}).get("num_speculative_tokens")
-        served.append((k, spec.log_file.name, settings.throughput_concurrency))
+        if settings.top_logprobs:  # a full pass (the rounds ask no logprobs)
+            served.append((k, spec.log_file.name, settings.throughput_concurrency))
+        else:
+            rounds.append((k, settings.concurrency))
         assert k is None or settings.num_speculative_tokens == k  # counters read at k positions
         tokens = [[1, 2, 3, 4]] if k != 5 else [[1, 2, 3, 9]]  # 5 drafts: output differs
         return fake_run(tokens, walls[k], drafts=2 if k else 0, accepted=k or 0, k=k or 3)
@@ -49,6 +54,30 @@ def test_each_count_is_served_on_its_own_server_and_the_best_is_the_fastest(
     assert by["1"]["mean_acceptance_length"] == 1.5 and by["5"]["mean_acceptance_length"] == 3.5
     assert by["3"]["greedy_outputs_identical"] and not by["5"]["greedy_outputs_identical"]
     assert verdict.passed  # the verdict is the common count's run
+    # every count timed against the baseline in its own rounds, the order swapped each round
+    pair = [(None, 1), (3, 1), (3, 1), (None, 1), (None, 1)]
+    assert rounds[:5] == pair  # the common count at the run's concurrency, then at 2
+    assert rounds[20:25] == [(None, 1), (1, 1), (1, 1), (None, 1), (None, 1)]
+    assert rounds[30:35] == [(None, 1), (5, 1), (5, 1), (None, 1), (None, 1)]
+    assert len(rounds) == 4 * 2 * SETTINGS.speedup_rounds
+    assert by["5"]["speedup_rounds"] == [2.5] * 5 and by["5"]["speedup_trusted"]
+
+
+def test_a_count_without_a_trusted_speedup_cannot_be_the_best(tmp_path: Path) -> None:
+    """The fastest count's rounds disagree: it has no figure, and the best is another count."""
+    fives = iter([0.8] + [0.8, 0.8, 0.4, 0.8, 0.8])  # its full pass, then 5 rounds
+
+    def runner(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+        k = (spec.speculative_config or {}).get("num_speculative_tokens")
+        wall = {None: 2.0, 3: 1.0}.get(k) or next(fives)
+        return fake_run([[1, 2, 3, 4]], wall, drafts=2 if k else 0, accepted=k or 0, k=k or 3)
+
+    base = ServerSpec(model="v", log_file=tmp_path / "x.log")
+    settings = oe.replace(SETTINGS, throughput_concurrency=())
+    section, _, _ = oe.evaluate(base, "d", PROMPTS, settings, tmp_path, runner, sweep=[3, 5])
+    by = section["by_num_speculative_tokens"]
+    assert by["5"]["speedup"] is None and by["5"]["speedup_spread"] == pytest.approx(1.0)
+    assert section["best_num_speculative_tokens"] == 3 and by["3"]["speedup"] == 2.0
 
 
 def test_no_sweep_no_keys(tmp_path: Path) -> None:

@@ -216,14 +216,19 @@ def test_mismatched_prompts_compare_ids_else_texts() -> None:
 
 
 def test_online_section() -> None:
+    """Acceptance and output tokens from the full passes; tokens/s and the speed-up from the
+    paired rounds (here every round 9 vs 4.5 tokens/s, as the passes were timed)."""
     baseline = fake_run([[1, 2, 3]] * 3, wall=2.0, drafts=0, accepted=0)
     spec = fake_run([[1, 2, 3]] * 3, wall=1.0, drafts=6, accepted=3)
-    section = oe.online_section(baseline, spec, K)
+    paired = oe.Paired(1, 3, [oe.speedup.Round(9, 1.0, 9, 2.0)] * 5)
+    section = oe.online_section(baseline, spec, K, {1: paired}, 1, 0.25)
     assert section["num_prompts"] == 3 and section["num_drafts"] == 6
     assert section["mean_acceptance_length"] == pytest.approx(1.5)
     assert section["output_tokens"] == section["output_tokens_baseline"] == 9
     assert section["tokens_per_s"] == 9 and section["tokens_per_s_baseline"] == 4.5
     assert section["speedup"] == pytest.approx(2.0)
+    assert section["speedup_rounds"] == [2.0] * 5 and section["speedup_trusted"] is True
+    assert "by_concurrency" not in section
 
 
 def test_spec_run_without_counters_is_an_error(tmp_path: Path) -> None:
@@ -289,11 +294,98 @@ def test_servers_started_together_are_measured_in_turn(
     section, differing, verdict = oe.evaluate(
         base, "d", CONVERSATIONS[:1], SETTINGS, tmp_path, start_together=True
     )
-    assert events == [
+    assert events[:4] == [
         "start baseline",
         "start eagle3",
         "measure url-0",  # the baseline first, the drafter's server idle meanwhile
         "measure url-1",
-        "stop all",
     ]
+    # then the paired rounds, both servers still up, the order swapped every round
+    rounds = ["measure url-0", "measure url-1", "measure url-1", "measure url-0"] * 3
+    assert events[4:] == rounds[: 2 * SETTINGS.speedup_rounds] + ["stop all"]
     assert section["speedup"] == pytest.approx(2.0) and differing == [] and verdict.passed
+
+
+def test_servers_started_in_turn_stay_up_for_the_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without start_together the baseline's server is started first and kept up while the
+    drafter's starts: the rounds need both."""
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def serve(spec: ServerSpec):
+        name = "eagle3" if spec.speculative_config else "baseline"
+        events.append(f"start {name}")
+        yield f"url-{name}"
+        events.append(f"stop {name}")
+
+    def measure(url: str, conversations: list, settings: oe.Settings) -> oe.RunResult:
+        events.append(f"measure {url}")
+        drafts = 2 if url == "url-eagle3" else 0
+        return fake_run([[1, 2]], wall=1.0 if drafts else 2.0, drafts=drafts, accepted=drafts)
+
+    monkeypatch.setattr(oe, "serve", serve)
+    monkeypatch.setattr(oe, "serve_many", lambda specs: pytest.fail("started together"))
+    monkeypatch.setattr(oe, "measure", measure)
+    base = ServerSpec(model="v", log_file=tmp_path / "x.log")
+    settings = oe.Settings(num_speculative_tokens=K, max_new_tokens=4, speedup_rounds=2)
+    section, _, _ = oe.evaluate(base, "d", CONVERSATIONS[:1], settings, tmp_path)
+    assert events == [
+        "start baseline",
+        "start eagle3",
+        "measure url-baseline",
+        "measure url-eagle3",
+        "measure url-baseline",  # round 0: the baseline first
+        "measure url-eagle3",
+        "measure url-eagle3",  # round 1: the drafter first
+        "measure url-baseline",
+        "stop eagle3",
+        "stop baseline",
+    ]
+    assert section["speedup"] == pytest.approx(2.0)
+
+
+def test_no_rounds_serves_one_server_at_a_time_and_gives_no_speedup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """evaluate.speedup_rounds 0 (a node that holds one verifier): each server up alone for its
+    full pass; acceptance and the verdict as ever, no tokens/s and no speed-up figure."""
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def serve(spec: ServerSpec):
+        name = "eagle3" if spec.speculative_config else "baseline"
+        events.append(f"start {name}")
+        yield f"url-{name}"
+        events.append(f"stop {name}")
+
+    def measure(url: str, conversations: list, settings: oe.Settings) -> oe.RunResult:
+        events.append(f"measure {url}")
+        drafts = 2 if url == "url-eagle3" else 0
+        return fake_run([[1, 2]], wall=1.0 if drafts else 2.0, drafts=drafts, accepted=drafts)
+
+    monkeypatch.setattr(oe, "serve", serve)
+    monkeypatch.setattr(oe, "measure", measure)
+    base = ServerSpec(model="v", log_file=tmp_path / "x.log")
+    settings = oe.replace(SETTINGS, speedup_rounds=0, throughput_concurrency=(8,))
+    section, _, verdict = oe.evaluate(base, "d", CONVERSATIONS[:1], settings, tmp_path)
+    assert events == [
+        "start baseline",
+        "measure url-baseline",
+        "stop baseline",
+        "start eagle3",
+        "measure url-eagle3",
+        "stop eagle3",
+    ]
+    assert section["speedup"] is None and section["tokens_per_s"] is None
+    assert section["speedup_note"].startswith("no figure: not measured")
+    assert section["mean_acceptance_length"] == pytest.approx(1 + 2 / 2) and verdict.passed
+    assert "by_concurrency" not in section  # nothing to pair at 8 either
+
+
+def test_timing_rounds_ask_no_logprobs() -> None:
+    """A round's requests are a user's; only the full passes ask logprobs for the verdict."""
+    payload = oe.chat_payload(CONVERSATIONS[0], oe.replace(SETTINGS, top_logprobs=0))
+    assert not {"logprobs", "top_logprobs", "return_tokens_as_token_ids"} & set(payload)
+    assert payload["return_token_ids"] is True and payload["temperature"] == 0.0

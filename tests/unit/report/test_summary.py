@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,49 @@ def test_no_record(run_dir: Path, capsys) -> None:
     assert "nothing says which params" in capsys.readouterr().err
 
 
+ROUNDS = {
+    "mean_acceptance_length": 2.75,
+    "acceptance_rate": 0.583,
+    "tokens_per_s": 299.5,
+    "tokens_per_s_baseline": 220.0,
+    "speedup": 1.36,
+    "speedup_rounds": [1.31, 1.36, 1.4, 1.34, 1.38],
+    "speedup_spread": 0.066,
+    "speedup_trusted": True,
+}
+
+
+def test_the_speedup_is_the_median_of_paired_rounds(run_dir: Path, capsys) -> None:
+    (run_dir / "metrics/eval.json").write_text(json.dumps(EVAL | {"online": ROUNDS}))
+    assert summary.main() == 0
+    assert (
+        "acceptance rate 58.3%, 299.5 tokens/s with the drafter vs 220.0 without (x1.36, median "
+        "of 5 paired rounds, spread 0.07); greedy outputs identical" in capsys.readouterr().out
+    )
+
+
+def test_a_wide_spread_is_said_instead_of_a_figure(run_dir: Path, capsys) -> None:
+    note = (
+        "no figure: the 5 paired rounds' ratios range from x1.28 to x10.83, a spread of 7.07 "
+        "above evaluate.speedup_max_spread=0.25: the machine's speed changed during the rounds "
+        "(other work on it?), rerun evaluate on a quiet machine"
+    )
+    wide = ROUNDS | {
+        "speedup": None,
+        "speedup_trusted": False,
+        "speedup_spread": 7.07,
+        "speedup_note": note,
+    }
+    (run_dir / "metrics/eval.json").write_text(json.dumps(EVAL | {"online": wide}))
+    assert summary.main() == 0
+    out = capsys.readouterr().out
+    assert "x1.36" not in out
+    assert (
+        "299.5 tokens/s with the drafter vs 220.0 without in the median round, no speed-up "
+        "figure: the 5 paired rounds' ratios range from x1.28 to x10.83, a spread of 7.07" in out
+    )
+
+
 def _measured_with(families: dict, train_family: dict | None = None) -> None:
     """params.yaml with these `families` (and train.family), recorded as evaluate's params."""
     params = yaml.safe_load(Path("params.yaml").read_text())
@@ -139,6 +183,25 @@ def test_families_end_with_one_table(run_dir: Path, capsys) -> None:
         "identical", "0.002", "->", "0.750", "val", "acc@1",
     ]  # fmt: skip
     assert len(body) == 2  # pe has not been evaluated: no row
+
+
+def test_the_table_says_which_speedups_have_no_figure(run_dir: Path, capsys) -> None:
+    """A branch whose paired rounds spread too wide: "none (spread S)" where its speedup
+    would be, and at its best count "none" when no swept count has a figure."""
+    _measured_with({"pe": {"name": "peagle"}})
+    wide = {"speedup": None, "speedup_trusted": False, "speedup_spread": 0.48}
+    online = ROUNDS | wide
+    online |= {"by_num_speculative_tokens": {"2": wide, "3": wide}}
+    online |= {"best_num_speculative_tokens": None}
+    branch = Path("metrics/families/pe")
+    branch.mkdir(parents=True)
+    doc = {"family": "peagle", "drafting": "parallel", "offline": {"trained": COUNTS}}
+    (branch / "eval.json").write_text(json.dumps(doc | {"online": online}))
+    assert summary.main() == 0
+    lines = capsys.readouterr().out.splitlines()
+    (row,) = [line for line in lines if line.startswith("pe ")]
+    cells = re.split(r"\s{2,}", row)  # columns are two spaces apart at least
+    assert cells[5:9] == ["299.5/220.0", "none (spread 0.48)", "none", "-"]
 
 
 def test_a_broken_branch_file_is_one_line_and_exit_1(run_dir: Path, capsys) -> None:

@@ -117,15 +117,19 @@ def test_every_vllm_start_loads_the_pinned_verifier(
         pass
 
     def fake_measure(spec: ServerSpec, conversations: list, settings: oe.Settings):
-        if spec.speculative_config:
-            starts["evaluate with drafter"] = spec
-            return fake_run([[1]] * 2, wall=1.0, drafts=2, accepted=2)
-        starts["evaluate baseline"] = spec
-        return fake_run([[1]] * 2, wall=1.0, drafts=0, accepted=0)
+        drafts = 2 if spec.speculative_config else 0
+        return fake_run([[1]] * 2, wall=1.0, drafts=drafts, accepted=drafts)
+
+    @contextlib.contextmanager
+    def fake_servers_up(specs: list[ServerSpec], together: bool):
+        for spec in specs:
+            name = "with drafter" if spec.speculative_config else "baseline"
+            starts[f"evaluate {name}"] = spec
+        yield fake_measure
 
     monkeypatch.chdir(tmp_path)
     write_val_prompts(tmp_path)
-    monkeypatch.setattr(oe, "serve_and_measure", fake_measure)
+    monkeypatch.setattr(oe, "servers_up", fake_servers_up)
     evaluate.run_online(params)
 
     assert sorted(starts) == ["evaluate baseline", "evaluate with drafter", "generate"]

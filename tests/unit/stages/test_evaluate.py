@@ -4,6 +4,7 @@ vLLM servers: tests/integration/test_evaluate_online.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,22 @@ def stage_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+def _served_by(monkeypatch: pytest.MonkeyPatch, fake: oe.Runner) -> None:
+    """`fake` measures on the servers the stage would start (no vLLM): the full passes and the
+    paired rounds alike."""
+
+    @contextlib.contextmanager
+    def servers_up(specs: list[ServerSpec], together: bool):
+        yield fake
+
+    monkeypatch.setattr(oe, "servers_up", servers_up)
+
+
+def _full_passes(seen: list) -> list:
+    """The calls that were full passes (they ask logprobs for the verdict; rounds do not)."""
+    return [call for call in seen if call[2].top_logprobs]
+
+
 def _params(**evaluate_params: Any) -> Params:
     return Params.model_validate(
         {"evaluate": {"online": True, "max_eval_prompts": 3, **evaluate_params}}
@@ -50,11 +67,14 @@ def test_stage_online_section_and_mismatch_line(
             return fake_run([[1, 2, 3]] * 3, wall=1.0, drafts=6, accepted=3)
         return fake_run([[1, 2, 3]] * 3, wall=2.0, drafts=0, accepted=0)
 
-    monkeypatch.setattr(oe, "serve_and_measure", fake)
+    _served_by(monkeypatch, fake)
     params = _params(mismatch_ratio=0.5)
     section, mismatched, verdict = evaluate.run_online(params)
     out = rules.online_verdict(section, 3.0, mismatched, params, verdict)
 
+    rounds = [call for call in seen if not call[2].top_logprobs]
+    assert len(rounds) == 2 * params.evaluate.speedup_rounds
+    seen = _full_passes(seen)
     assert [s.speculative_config for s, _, _ in seen] == [
         None,
         {"method": "eagle3", "model": "models/drafter", "num_speculative_tokens": 3},
@@ -87,7 +107,7 @@ def test_stage_reports_differing_greedy_outputs(
             tokens[1] = [3, 5]
         return fake_run(tokens, wall=1.0, drafts=4, accepted=4)
 
-    monkeypatch.setattr(oe, "serve_and_measure", fake)
+    _served_by(monkeypatch, fake)
     params = _params()
     section, mismatched, verdict = evaluate.run_online(params)
     out = rules.online_verdict(section, 2.0, mismatched, params, verdict)
@@ -115,7 +135,7 @@ def test_stage_passes_near_ties_and_records_them(
         ]
         return run
 
-    monkeypatch.setattr(oe, "serve_and_measure", fake)
+    _served_by(monkeypatch, fake)
     params = _params()
     section, mismatched, verdict = evaluate.run_online(params)
     out = rules.online_verdict(section, 2.0, mismatched, params, verdict)
@@ -209,38 +229,56 @@ def test_alarm_falls_back_to_the_ratio_without_a_same_prompts_figure() -> None:
     assert out["mismatch"] is True and out["mismatch_rule"]["mismatch_ratio"] == 0.5
 
 
-def test_second_concurrency_is_measured_and_reported(
+def test_second_concurrency_is_timed_in_its_own_paired_rounds(
     stage_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen: list[int] = []
+    """Each of evaluate.throughput_concurrency gets its own paired rounds (at least two waves of
+    requests each), its row its own speed-up and the acceptance of the drafter's rounds there."""
+    seen: list[tuple[bool, int, int, bool]] = []
 
-    def fake_prompts(url: str, conversations: list, settings: oe.Settings):
-        seen.append(settings.concurrency)
-        n = len(conversations)
-        return [([1, 2], "ab", 2, None)] * n, 1.0 if settings.concurrency == 1 else 0.25
+    def fake(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+        drafter = bool(spec.speculative_config)
+        seen.append(
+            (drafter, settings.concurrency, len(conversations), bool(settings.top_logprobs))
+        )
+        wall = (0.5 if drafter else 1.0) / (4 if settings.concurrency == 16 else 1)
+        return fake_run([[1, 2]] * len(conversations), wall, drafts=4 * drafter, accepted=4)
 
-    monkeypatch.setattr(oe, "run_prompts", fake_prompts)
-    monkeypatch.setattr(oe, "complete", lambda *a, **k: None)
-    monkeypatch.setattr(
-        oe,
-        "settled_counters",
-        lambda url, k: {
-            "num_drafts": 0.0,
-            "num_draft_tokens": 0.0,
-            "num_accepted_tokens": 0.0,
-            **{f"accepted_pos_{p}": 0.0 for p in range(k)},
-            "spec_decode_enabled": 1.0,
-        },
-    )
-    settings = oe.Settings(
-        num_speculative_tokens=3, max_new_tokens=2, throughput_concurrency=(1, 16)
-    )
-    run = oe.measure("http://x", [[{"role": "user", "content": "q"}]] * 4, settings)
-    assert seen == [1, 16] and set(run.by_concurrency) == {16}
-    section = oe.online_section(run, run, 3, concurrency=1)
+    _served_by(monkeypatch, fake)
+    params = _params(max_eval_prompts=40, throughput_concurrency=[1, 16], speedup_rounds=4)
+    write_val_prompts(stage_dir, 40)
+    section, _, _ = evaluate.run_online(params)
+    assert [c for _, c, _, full in seen if full] == [1, 1]  # full passes at the run's concurrency
+    at_1 = [(d, n) for d, c, n, full in seen if c == 1 and not full]
+    at_16 = [(d, n) for d, c, n, full in seen if c == 16]
+    assert at_1 == [(False, 10), (True, 10), (True, 10), (False, 10)] * 2  # 40 prompts / 4 rounds
+    assert at_16 == [(False, 32), (True, 32), (True, 32), (False, 32)] * 2  # two waves of 16
     assert set(section["by_concurrency"]) == {"1", "16"}
-    assert section["by_concurrency"]["16"]["tokens_per_s"] == 32.0
-    assert section["tokens_per_s"] == 8.0 and section["speedup"] == 1.0
+    row = section["by_concurrency"]["16"]
+    assert row["tokens_per_s"] == 32 * 2 / 0.125 and row["speedup"] == pytest.approx(2.0)
+    assert row["speedup_rounds"] == [2.0] * 4 and row["speedup_num_prompts"] == 32
+    assert row["mean_acceptance_length"] == pytest.approx(2.0)  # 4 x 4 accepted in 4 x 4 drafts
+    assert section["tokens_per_s"] == 10 * 2 / 0.5 and section["speedup"] == pytest.approx(2.0)
+
+
+def test_a_wide_spread_gives_no_speedup_in_eval_json(
+    stage_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The machine slowed down for the drafter's runs in one round: no figure, the rounds'
+    ratios, their spread and the reason instead."""
+    drafter_runs = iter([1.0] + [0.5, 0.5, 2.0, 0.5, 0.5])  # full pass, then 5 rounds
+
+    def fake(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+        if spec.speculative_config:
+            return fake_run([[1, 2]] * len(conversations), next(drafter_runs), 4, 4)
+        return fake_run([[1, 2]] * len(conversations), 1.0, drafts=0, accepted=0)
+
+    _served_by(monkeypatch, fake)
+    section, _, _ = evaluate.run_online(_params())
+    assert section["speedup"] is None and section["speedup_trusted"] is False
+    assert section["speedup_rounds"] == [2.0, 2.0, 0.5, 2.0, 2.0]
+    assert section["speedup_spread"] == pytest.approx(0.75)
+    assert "spread of 0.75 above evaluate.speedup_max_spread=0.25" in section["speedup_note"]
 
 
 # --- offline: the cap, the device, one read per sample ---------------------------------------
@@ -394,7 +432,7 @@ def test_a_branch_is_checked_against_its_own_simulation(
             "offline_same_prompts": same,
         }
 
-    monkeypatch.setattr(oe, "serve_and_measure", fake)
+    _served_by(monkeypatch, fake)
     monkeypatch.setattr(evaluate, "simulate_family", simulate)
     monkeypatch.setattr(evaluate, "_trained_layers", lambda params, family=None: [2, 4, 5])
     params = Params.model_validate(
@@ -416,3 +454,27 @@ def test_a_branch_is_checked_against_its_own_simulation(
     assert out["family"] == "peagle" and out["drafting"] == "parallel"
     lines = [x for x in capsys.readouterr().out.splitlines() if "MISMATCH" in x]
     assert [("models/families/pe/best/config.json" in x) for x in lines] == [True] * mismatch
+
+
+def test_the_stage_writes_no_speedup_when_the_rounds_disagree(
+    stage_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Through the verdict and into eval.json: speedup null, the rounds, spread and reason; the
+    log says why, and acceptance and losslessness come from the full passes as before."""
+    drafter_runs = iter([1.0] + [0.5, 0.5, 2.0, 0.5, 0.5])  # full pass, then 5 rounds
+
+    def fake(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+        if spec.speculative_config:
+            return fake_run([[1, 2]] * len(conversations), next(drafter_runs), 4, 4)
+        return fake_run([[1, 2]] * len(conversations), 1.0, drafts=0, accepted=0)
+
+    _served_by(monkeypatch, fake)
+    params = _params()
+    section, mismatched, verdict = evaluate.run_online(params)
+    out = rules.online_verdict(section, 2.0, mismatched, params, verdict)
+    online = json.loads(json.dumps(out))["online"]
+    assert online["speedup"] is None and online["speedup_spread"] == pytest.approx(0.75)
+    assert online["speedup_rounds"] == [2.0, 2.0, 0.5, 2.0, 2.0]
+    assert online["mean_acceptance_length"] == 2.0 and out["lossless"]["verdict"] == "identical"
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "vLLM: mean" in x]
+    assert "no speed-up figure: the 5 paired rounds' ratios range from x0.50 to x2.00" in line
