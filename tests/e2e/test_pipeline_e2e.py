@@ -368,3 +368,58 @@ def test_training_tokens_are_the_verifiers_own_greedy_tokens(pipeline: Path) -> 
                     assert margin <= NEAR_TIE_NATS, (r["id"], pos, best, ids[pos], margin)
                     off += 1
     assert checked > 1000 and off <= checked // 100, (checked, off)
+
+
+def test_the_verifier_wrote_a_fifth_of_the_prompts(pipeline: Path) -> None:
+    """synthesize (vLLM's engine, Magpie) kept what was asked; prepare took the share asked."""
+    stats = json.loads((pipeline / "data/synthesized/stats.json").read_text())
+    assert stats["kept"] == 12 and stats["sampled"] >= 12
+    assert stats["sampled"] == stats["kept"] + sum(stats["dropped"].values()) + stats["unused"]
+    synthesized = [
+        json.loads(x)
+        for x in (pipeline / "data/synthesized/prompts.jsonl").read_text().splitlines()
+    ]
+    assert len(synthesized) == 12
+    last = [r["messages"][-1] for r in synthesized]
+    assert all(m["role"] == "user" and m["content"] for m in last)
+    prepared = [
+        json.loads(x)
+        for split in ("train", "val")
+        for x in (pipeline / f"data/prepared/{split}.jsonl").read_text().splitlines()
+    ]
+    ids = {r["id"] for r in prepared}
+    assert len(prepared) == 60 and {r["id"] for r in synthesized} <= ids  # 12 of 60: a fifth
+
+
+def test_the_learning_curve_fits_nested_fractions(pipeline: Path) -> None:
+    """curve_train@0.25 and @0.5 trained on nested rows of the one store, measured on the same
+    val samples as the full run; the fit, its check and its predictions; the epochs."""
+    curve = json.loads((pipeline / "metrics/curve.json").read_text())
+    points = curve["points"]
+    assert [p["fraction"] for p in points] == [0.25, 0.5, 1.0]
+    samples = [p["train_samples"] for p in points]
+    assert samples == sorted(samples) and samples[0] < samples[-1]
+    assert all(1.0 <= p["tau"] <= 4.0 for p in points)
+    assert all(lo <= p["tau"] <= hi for p in points for lo, hi in [p["tau_interval"]])
+    check = curve["check"]
+    assert check["fitted_on"] == [0.25, 0.5] and check["measured"] == points[-1]["tau"]
+    assert check["error"] == pytest.approx(check["predicted"] - check["measured"], abs=1e-3)
+    assert [p["data_multiple"] for p in curve["predictions"]] == [2.0, 10.0]
+    assert curve["epochs"]["tau_by_epoch"] and len(curve["epochs"]["tau_by_epoch"]) == 8
+    fractions = {
+        f: json.loads((pipeline / f"metrics/fractions/{f}/eval.json").read_text())
+        for f in ("0.25", "0.5")
+    }
+    val = {r["id"] for r in map(json.loads, (pipeline / "data/tokenized/val.jsonl").open())}
+    for record in fractions.values():
+        assert len(record["per_sample"]["drafts"]) == len(val)
+    # Nested by the split hash: the rows of 0.25 are inside 0.5's, both inside train's.
+    tokens = [json.loads(x) for x in (pipeline / "data/tokenized/train.jsonl").open()]
+    from eagle3_pipeline import split  # the code of the repo under test: same module
+
+    inside = {
+        f: {r["id"] for r in tokens if split.in_fraction(r["id"], f, 0.2)} for f in (0.25, 0.5)
+    }
+    assert inside[0.25] <= inside[0.5] and len(inside[0.5]) == fractions["0.5"]["train_samples"]
+    assert (pipeline / "metrics/curve/tokens.json").is_file()
+    assert (pipeline / "models/curve/0.25/best/model.safetensors").is_file()

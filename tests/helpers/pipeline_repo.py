@@ -252,9 +252,19 @@ FAMILIES = {
 DFLASH_LAYERS = [1, 3, 5, 7]
 # No draft-count sweep here: its three more servers ran beside the other tests and cost CI ~9
 # minutes; tests/unit/evaluation/test_draft_sweep.py covers it.
+# The verifier writes a fifth of the prompts (Magpie, vLLM's engine), and the learning curve
+# trains two nested fractions beside the full run (docs/learning-curve.md).
+SYNTHESIZE = {"count": 12, "batch_size": 16, "max_prompt_tokens": 48}
+CURVE = {"fractions": [0.25, 0.5], "bootstrap_samples": 200}
 TINY_RUN = Run(
     "e2e",
-    SMALL | {"families": FAMILIES, "layers": {"family_aux_layer_ids": {"dflash": DFLASH_LAYERS}}},
+    SMALL
+    | {
+        "families": FAMILIES,
+        "layers": {"family_aux_layer_ids": {"dflash": DFLASH_LAYERS}},
+        "prepare": SMALL["prepare"] | {"synthesize": SYNTHESIZE, "synthesized_share": 0.2},
+        "curve": CURVE,
+    },
 )
 
 

@@ -91,6 +91,13 @@ def write_metrics(root: Path, scale: float = 1.0) -> None:
                 rows = [f"{s}\t{(s + 1) * scale / 10}" for s in range(5)]
                 (root / path).write_text("step\t" + field + "\n" + "\n".join(rows) + "\n")
     assert live.is_dir()
+    curve = root / "metrics/curve"  # the curve stage's series (stages/curve.py)
+    curve.mkdir(parents=True, exist_ok=True)
+    points = [{"train_tokens": t, "tau": 1.5 + t / 4e5 * scale, "kind": "measured"} for t in
+              (5e4, 1e5, 2e5)] + [{"train_tokens": 4e5, "tau": 2.1 * scale, "kind": "predicted"}]
+    (curve / "tokens.json").write_text(json.dumps(points))
+    epochs = [{"epoch": e, "tau": 1.2 + 0.2 * e * scale} for e in (1, 2, 3)]
+    (curve / "epochs.json").write_text(json.dumps(epochs))
 
 
 def make_repo(root: Path) -> Path:

@@ -1,9 +1,11 @@
 """`eagle3 plan`: what a run will build and cost, from config files alone, before any GPU hour.
 
-`make_plan` meets every check in the order a run would (inputs.py reads, checks.py refuses or
-warns, drafter/shape.py counts, estimates.py sizes, modes.py costs the hidden states in both
-modes, nodes.py splits the work over a Ray cluster's nodes); report.py renders the result. A
-mismatch that would only surface days later (after generate and extract) stops here as one line.
+`make_plan` meets every check in the order a run would (params_keys.py holds the params file
+against dvc.yaml, inputs.py reads, support.py checks the installed vLLM and the chat template,
+checks.py refuses or warns, drafter/shape.py counts, estimates.py sizes, modes.py costs the
+hidden states in both modes, nodes.py splits the work over a Ray cluster's nodes); report.py
+renders the result. A mismatch that would only surface days later (after generate and extract)
+stops here as one line.
 """
 
 from __future__ import annotations
@@ -20,7 +22,17 @@ from eagle3_pipeline.drafter.shape import (
     parameter_groups,
 )
 from eagle3_pipeline.params import Params
-from eagle3_pipeline.plan import checks, estimates, inputs, memory, modes, nodes
+from eagle3_pipeline.plan import (
+    checks,
+    curve_cost,
+    estimates,
+    inputs,
+    memory,
+    modes,
+    nodes,
+    params_keys,
+)
+from eagle3_pipeline.plan import support as vsupport
 from eagle3_pipeline.verifier import identity as vf
 from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids, store_aux_layer_ids
 
@@ -64,6 +76,10 @@ class Plan:
     training: memory.TrainMemory
     warnings: list[str] = field(default_factory=list)
     cluster: nodes.ClusterPlan | None = None  # each node's share (cluster.engine: ray)
+    # The installed vLLM against the verifier's class, and its chat template (support.py).
+    support: vsupport.VerifierSupport | None = None
+    params_keys: list[str] = field(default_factory=list)  # dvc.yaml's, all in the params file
+    curve: curve_cost.CurvePlan | None = None  # the learning curve's predictions, costed
 
     @property
     def checkpoints_kept(self) -> int:
@@ -97,17 +113,23 @@ def make_plan(
     tokens: int | None = None,
     prompts: int | None = None,
     samples: list[tuple[int, int | None]] | None = None,
+    target_tau: float | None = None,
 ) -> Plan:
     """Every check in the order a run would meet it; raises the first mismatch as one line.
 
     `samples`: further (sample count, total tokens or None for the plan's mean per sample) at
-    which to cost the hidden states of both modes (`--samples`).
+    which to cost the hidden states of both modes (`--samples`). With a learning curve
+    (metrics/curve.json), its predictions and `target_tau` are costed too (curve_cost.py).
     """
     where = str(params_path)
+    keys = params_keys.check_params_file(params_path)
     config, config_file = inputs.load_verifier_config(params, verifier_config)
     v = inputs.verifier_shape(config, str(config_file or f"{where} (verifier.tiny)"))
     vf.check_remote_code(params, config, v.source)
     tokenizer = checks.check_tokenizer(params, config_file)
+    # Before any estimate: a verifier this vLLM cannot capture, or a template that does not
+    # render, makes every number below moot (and the prompt estimate renders the template).
+    support = vsupport.check_verifier(params, config, config_file, v.source)
     aux, _ = resolve_layer_ids(params.layers, v.num_layers, where=where)
     store_aux = store_aux_layer_ids(params.layers, v.num_layers, where=where)
     checks.check_vocab(params, v.vocab_size, where)
@@ -183,4 +205,12 @@ def make_plan(
         + checks.memory_warnings(serving)
         + modes.online_warnings(params, own),
         cluster=cluster,
+        support=support,
+        params_keys=keys,
+        curve=_curve(params, target_tau),
     )
+
+
+def _curve(params: Params, target_tau: float | None) -> curve_cost.CurvePlan | None:
+    curve = curve_cost.load()
+    return curve_cost.curve_plan(params, curve, target_tau) if curve else None

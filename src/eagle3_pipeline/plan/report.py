@@ -38,6 +38,7 @@ def _verifier_lines(p: Plan) -> list[str]:
             f"vocab {v.vocab_size:,}; {code}",
         ),
         _row("tokenizer", p.tokenizer),
+        *_support_lines(p),
         _row("layer ids", f"aux {p.aux_layer_ids} + final {p.final_layer_id} (vLLM convention)"),
         _row("", f"distinct, aux in 0..{v.num_layers - 1}, final = num_hidden_layers: ok"),
         *_init_ids_line(p),
@@ -47,6 +48,19 @@ def _verifier_lines(p: Plan) -> list[str]:
             f"({p.draft_vocab_size / v.vocab_size:.1%}): ok",
         ),
     ]
+
+
+def _support_lines(p: Plan) -> list[str]:
+    """The chat template, the installed vLLM against the verifier's class, the params keys."""
+    lines = []
+    if p.support is not None:
+        lines += [
+            _row("template", p.support.template.describe()),
+            _row("vLLM", p.support.vllm.describe()),
+        ]
+    if p.params_keys:
+        lines.append(_row("keys", f"all {len(p.params_keys)} params keys dvc.yaml reads: present"))
+    return lines
 
 
 def _init_ids_line(p: Plan) -> list[str]:
@@ -306,6 +320,50 @@ def _cluster_lines(p: Plan) -> list[str]:
     return lines
 
 
+def _curve_lines(p: Plan) -> list[str]:
+    """The learning curve's predictions as samples, disk, prefill and hours (curve_cost.py)."""
+    c = p.curve
+    if c is None:
+        return []
+    lines = [
+        _row(
+            "curve",
+            f"{paths.CURVE}: mean acceptance length {c.tau_now:.3f} at {c.tokens_now:,} "
+            f"training tokens ({c.samples_now:,} samples)",
+        )
+    ]
+    if c.check:
+        lines.append(
+            _row(
+                "",
+                f"fit check: fractions {', '.join(map(str, c.check['fitted_on']))} predicted "
+                f"{c.check['predicted']:.3f} there, measured {c.check['measured']:.3f}",
+            )
+        )
+    rows = [["for", "tau", "train tokens", "samples", "store disk", "online disk", "prefill "
+             "store/online", "hours store", "hours online"]]
+    for r in c.rows:
+        lo_hi = f" [{r.interval[0]:.2f}, {r.interval[1]:.2f}]" if r.interval else ""
+        tau = f"{r.tau:.3f}{lo_hi}"
+        disk = p.disk_bytes(r.scale.store)[p.store_dtype]
+        online = p.disk_bytes(r.scale.online)[p.store_dtype]
+        store_h = r.hours["generate"] + r.hours["extract"] + r.hours["train"]
+        online_h = r.hours["generate"] + r.hours["train_online"]
+        rows.append([
+            r.label, tau, _m(r.train_tokens), f"{r.scale.samples:,}", _size(disk), _size(online),
+            f"{_m(r.scale.store.prefill_tokens)}/{_m(r.scale.online.prefill_tokens)}",
+            f"{store_h:.1f}", f"{online_h:.1f}",
+        ])
+    lines += _table(rows, left={0})
+    lines += [_row("", line) for line in c.epochs]
+    lines.append(
+        _row("", f"hours: generate + extract + train (online: generate + train with its prefill), "
+             f"at {c.rates.generate:,.0f} / {c.rates.extract:,.0f} / {c.rates.train:,.0f} tokens/s:"
+             f" {c.rates.source}")
+    )
+    return lines
+
+
 def render(p: Plan) -> str:
     """The whole report: header, verifier, drafter, costs, then one line per warning."""
     head = [_row("plan", f"profile {p.profile} ({p.params_path}), from config files only")]
@@ -316,5 +374,6 @@ def render(p: Plan) -> str:
         + _cost_lines(p)
         + _memory_lines(p)
         + _cluster_lines(p)
+        + _curve_lines(p)
     )
     return "\n".join(head + body + warn)

@@ -27,10 +27,11 @@ import contextlib
 import dataclasses
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_pipeline import atomic, disk, paths, readers, resume
+from eagle3_pipeline import atomic, disk, paths, readers, resume, split
 from eagle3_pipeline.cluster import online as cluster_online
 from eagle3_pipeline.drafter import families, mask_token
 from eagle3_pipeline.drafter.conventions import RunConventions, run_conventions
@@ -99,8 +100,9 @@ class TrainInputs:
         return self.work / "live"
 
 
-def run(params: Params, outputs: Outputs | None = None) -> None:
-    """Train and publish to `outputs` (None: the stage's; a `family@NAME` branch passes its own)."""
+def run(params: Params, outputs: Outputs | None = None, fraction: float | None = None) -> None:
+    """Train and publish to `outputs` (None: the stage's; a `family@NAME` branch passes its own);
+    `fraction`: on that nested fraction of the training rows only (a learning-curve point)."""
     outputs = outputs or Outputs()
     t = params.train
     if t.strategy == "fsdp" and not _distributed(params):
@@ -108,7 +110,9 @@ def run(params: Params, outputs: Outputs | None = None) -> None:
             "params.yaml: train.strategy=fsdp shards the drafter across processes but "
             "train.nproc=1 on one node: set train.nproc to the number of GPUs, or strategy: ddp"
         )
-    inputs = dataclasses.replace(_inputs(params, outputs.family_key), record_as=outputs.stage)
+    inputs = dataclasses.replace(
+        _inputs(params, outputs.family_key, fraction), record_as=outputs.stage
+    )
     write_training_data(inputs.data_dir, inputs.samples)
     if not sys.stdout.isatty():
         os.environ.setdefault("TQDM_DISABLE", "1")  # bars are noise in a log file
@@ -135,7 +139,7 @@ def run(params: Params, outputs: Outputs | None = None) -> None:
         else:
             _train(params, inputs)
     twin = None  # a branch is measured against its untrained twin (evaluate does train's)
-    if outputs.stage != STAGE and t.hidden_states == "store":
+    if outputs.twin and t.hidden_states == "store":
         twin = untrained_val(_settings(params, inputs, None), inputs.work / "twin")
     publish(outputs, inputs.live_dir, inputs.save_dir, t.epochs, t.family, twin)
 
@@ -168,6 +172,23 @@ def _train_online(params: Params, inputs: TrainInputs) -> None:
 def run_family(params: Params, name: str) -> None:
     """`family@NAME` (`eagle3 train --family NAME`): the `families` entry NAME, trained."""
     run(*family_branch(params, name))
+
+
+def run_fraction(params: Params, fraction: float) -> None:
+    """`curve_train@F` (`eagle3 train --fraction F`): train's drafter, trained as train trains
+    it, on the training rows inside fraction F by the split hash (split.in_fraction); the same
+    val rows. Its offline measurement is the curve stage's (`eagle3 curve --measure F`)."""
+    if fraction not in params.curve.fractions:
+        raise ParamsError(
+            f"params.yaml: field 'curve.fractions': {fraction} is not one of "
+            f"{params.curve.fractions}: add it, or train a listed fraction"
+        )
+    if params.train.hidden_states != "store":
+        raise ParamsError(
+            "params.yaml: curve.fractions trains on the hidden-state store: set "
+            "train.hidden_states: store, or curve.fractions: []"
+        )
+    run(params, Outputs.of_fraction(fraction), fraction=fraction)
 
 
 def family_branch(params: Params, name: str) -> tuple[Params, Outputs]:
@@ -232,7 +253,9 @@ def _check_server(
     )
 
 
-def _inputs(params: Params, family_key: str = "train.family") -> TrainInputs:
+def _inputs(
+    params: Params, family_key: str = "train.family", fraction: float | None = None
+) -> TrainInputs:
     t = params.train
     n_layers, _, _ = vf.shape(vf.read_config(params.verifier.path))
     conventions = run_conventions(params, n_layers)
@@ -241,7 +264,19 @@ def _inputs(params: Params, family_key: str = "train.family") -> TrainInputs:
     positions = store.check_layout(manifest, aux, final, paths.HIDDEN_STATES)
     # Never train on a damaged file: DVC's hardlinked cache would not notice one changed in place.
     store.verify_hashes(paths.HIDDEN_STATES, manifest)
-    samples, n_train, row_ids = _samples(manifest, online=t.hidden_states == "online")
+    keep = None
+    if fraction is not None:
+        val_ratio = params.prepare.val_ratio
+
+        def keep(sample_id: str) -> bool:
+            return split.in_fraction(sample_id, fraction, val_ratio)
+
+    samples, n_train, row_ids = _samples(manifest, online=t.hidden_states == "online", keep=keep)
+    if n_train == 0:
+        raise ParamsError(
+            f"params.yaml: field 'curve.fractions': fraction {fraction} holds no training row: "
+            "raise it, or make more data"
+        )
     # Before any weights load; `family_key` names the family's params in an error line.
     mask = mask_token.for_run(params, [s["input_ids"] for s in samples], family_key)
     # Knobs that cannot change the weights do not restart a run; nor does EAGLE-3 being named.
@@ -259,25 +294,30 @@ def _inputs(params: Params, family_key: str = "train.family") -> TrainInputs:
         vf.files_stamp(t.init_from) if t.init_from and Path(t.init_from).is_dir() else None,
         # Another world size is another run (a single node keeps its key).
         *([{"train_nodes": _nodes(params)}] if _nodes(params) > 1 else []),
+        *([{"fraction": fraction}] if fraction is not None else []),
     )
     own = resume.fingerprint(t.family.model_dump())[:8]  # branches keep each other's scratch
     scratch = STAGE if t.family == FamilyParams() else f"{STAGE}-{t.family.name}-{own}"
+    if fraction is not None:
+        scratch += f"-f{fraction}"
     work = resume.scratch_dir(scratch, key)
     return TrainInputs(conventions, samples, n_train, work, row_ids, positions, mask)
 
 
 def _samples(
-    manifest: dict, *, online: bool = False
+    manifest: dict, *, online: bool = False, keep: Callable[[str], bool] | None = None
 ) -> tuple[list[TrainingSample], int, list[str]]:
     """(rows, train rows, their sample ids) in speculators' order (it validates on the LAST
     rows); online mode leaves rows the store lacks (all train rows, val rows beyond
-    extract.online_keep_val) to the server."""
+    extract.online_keep_val) to the server. `keep`: which training rows to train on (all)."""
     rows = {
-        split: readers.read_jsonl(paths.TOKENIZED / f"{split}.jsonl") for split in ("train", "val")
+        part: readers.read_jsonl(paths.TOKENIZED / f"{part}.jsonl") for part in ("train", "val")
     }
+    if keep is not None:
+        rows["train"] = [r for r in rows["train"] if keep(r["id"])]
     samples: list[TrainingSample] = []
-    for split in ("train", "val"):
-        for r in rows[split]:
+    for part in ("train", "val"):
+        for r in rows[part]:
             entry = manifest["samples"].get(r["id"])
             if entry is None and not online:
                 raise StoreError(f"{paths.HIDDEN_STATES}: sample {r['id']} missing: rerun extract")
@@ -288,7 +328,7 @@ def _samples(
                     "hidden_states_file": paths.HIDDEN_STATES / entry["file"] if entry else None,
                 }
             )
-    return samples, len(rows["train"]), [r["id"] for split in ("train", "val") for r in rows[split]]
+    return samples, len(rows["train"]), [r["id"] for part in ("train", "val") for r in rows[part]]
 
 
 def _settings(params: Params, inputs: TrainInputs, online_flags: dict | None) -> TrainSettings:
@@ -304,6 +344,7 @@ def _settings(params: Params, inputs: TrainInputs, online_flags: dict | None) ->
         nodes=_nodes(params),
         mask_token_id=inputs.mask[0] if inputs.mask else None,
         store_positions=inputs.positions,
+        verifier_num_layers=inputs.final,
     )
     return dataclasses.replace(settings, online_flags=online_flags)
 

@@ -25,6 +25,8 @@ class Outputs:
     live: Path = paths.TRAIN_LIVE
     metrics: Path = paths.TRAIN_METRICS
     family_key: str = "train.family"  # where params.yaml holds the run's family
+    # Measure the untrained twin (run.untrained_val) beside it: a branch must beat its own.
+    twin: bool = False
 
     @classmethod
     def of_family(cls, name: str) -> Outputs:
@@ -34,6 +36,17 @@ class Outputs:
             paths.FAMILIES_METRICS / name / "train",
             paths.FAMILIES_METRICS / name / "train.json",
             f"families.{name}",
+            twin=True,
+        )
+
+    @classmethod
+    def of_fraction(cls, fraction: float) -> Outputs:
+        """A learning-curve point: train's drafter on a nested fraction of its rows."""
+        return cls(
+            f"curve_train@{fraction}",
+            paths.CURVE_MODELS / str(fraction),
+            paths.CURVE_FRACTIONS / str(fraction) / "train",
+            paths.CURVE_FRACTIONS / str(fraction) / "train.json",
         )
 
 

@@ -48,6 +48,7 @@ from eagle3_pipeline.training.speculators_patches import (
     own_thread_env,
     sampler_rank_guard,
 )
+from eagle3_pipeline.training.verifier_init import init_from_verifier
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -91,11 +92,14 @@ class TrainSettings:
     seed: int
     num_workers: int
     metrics_every_steps: int = 1
+    cpu_dtype: Literal["float32", "bfloat16"] = "float32"
     train_lm_head: bool = False
     keep_last: int | None = None
     grad_accumulation: int = 1
     fsdp: bool = False
     init_from: Path | None = None
+    init_from_verifier: bool = False
+    verifier_num_layers: int = 0  # where the verifier's last layer is (init_from_verifier)
     init_vocab_mismatch: Literal["remap", "refuse"] = "remap"
     norm_before_residual: bool = True
     norm_before_fc: bool = True
@@ -131,6 +135,7 @@ class TrainSettings:
         nodes: int = 1,
         mask_token_id: int | None = None,
         store_positions: list[int] | None = None,
+        verifier_num_layers: int = 0,
     ) -> TrainSettings:
         """The settings of the `train` stage. Every step's metrics reach DVCLive;
         `t.log_every_steps` thins the log lines only (metrics.MetricsSink). `nodes`: training
@@ -155,11 +160,14 @@ class TrainSettings:
             seed=t.seed,
             num_workers=t.num_workers,
             metrics_every_steps=1,
+            cpu_dtype=t.cpu_dtype,
             train_lm_head=t.train_lm_head,
             keep_last=t.keep_last,
             grad_accumulation=t.grad_accumulation,
             fsdp=t.strategy == "fsdp" and t.nproc * nodes > 1,
             init_from=Path(t.init_from) if t.init_from else None,
+            init_from_verifier=t.init_from_verifier,
+            verifier_num_layers=verifier_num_layers,
             init_vocab_mismatch=t.init_vocab_mismatch,
             **conventions.flags,
             draft_layer_config=conventions.layer_config,
@@ -203,6 +211,13 @@ def run_training(
         no_progress_bars() if os.environ.get("TQDM_DISABLE") else nothing,
         online_api_key(os.environ.get(API_KEY_VAR)),  # online mode's server key, if any
         own_thread_env(),
+        init_from_verifier(
+            s.init_from_verifier,
+            s.verifier_dir,
+            s.verifier_num_layers,
+            s.save_dir,
+            on_init_line,
+        ),
         # Last: inside the lm_head un-freezing, after exact_resume tidied the scratch dir.
         init_from_checkpoint(
             s.init_from,
@@ -349,12 +364,13 @@ def build_train_config(s: TrainSettings) -> Any:
     if flags["hidden_states_backend"] == "fp8":  # files read here (Mooncake caches none)
         flags |= layer_view.flags(s.store_positions)
     if not torch.cuda.is_available():
-        # Flex attention and the fused loss need a GPU.
-        # fp32 on CPU: bf16 matmuls are emulated here (measured 6x slower per step).
+        # Flex attention and the fused loss need a GPU. The autocast dtype is train.cpu_dtype:
+        # bf16 is 1.3x faster per step where the CPU has bf16 instructions (avx512_bf16) and
+        # several times slower where it emulates them.
         flags |= {
             "draft_attn_impl": "sdpa",
             "loss_implementation": "eager",
-            "hidden_states_dtype": "float32",
+            "hidden_states_dtype": s.cpu_dtype,
         }
     # A backend's own flags (mooncake_*) bypass speculators' schema: in `cli` they would be
     # dropped without a word (online_backend.split_backend_flags).

@@ -39,7 +39,7 @@ def test_every_declared_plot_is_drawn_as_svg_and_png_with_nothing_remote(repo: P
     path = build.build([])
     html = path.read_text()
     drawn = _chart_data(html)
-    assert sorted(drawn) == sorted(_plot_ids()) and len(drawn) == 13
+    assert sorted(drawn) == sorted(_plot_ids()) and len(drawn) == 15
     for pid, svg in drawn.items():
         assert re.search(r"<(path|rect)\b", svg), pid  # marks, not an empty frame
         assert (repo / "report/png" / f"{build.render.slug(pid)}.png").stat().st_size > 1000
@@ -149,3 +149,23 @@ def test_a_swept_drafter_gets_its_best_count_row(repo: Path) -> None:
     cells = re.findall(r"<td>df \(dflash\)</td><td>([^<]*)</td><td>([^<]*)</td>", html)
     assert cells == [("online (vLLM)", "3.250"), ("online (vLLM), best: 7 drafts", "4.500")]
     assert "1.90" in html
+
+
+def test_a_speedup_without_a_figure_says_so_in_the_headline() -> None:
+    """Paired rounds that spread too wide: the headline says so instead of a figure; a trusted
+    one shows the median as before."""
+    wide = {
+        "mean_acceptance_length": 2.5,
+        "acceptance_rate": 0.5,
+        "speedup": None,
+        "speedup_trusted": False,
+        "speedup_spread": 0.48,
+        "speedup_rounds": [1.0, 1.3, 1.48, 1.2, 1.25],
+    }
+    tight = wide | {"speedup": 1.25, "speedup_trusted": True, "speedup_spread": 0.08}
+    files = sources.RevisionFiles(
+        "workspace", eval={"online": tight}, families={"pe": {"family": "peagle", "online": wide}}
+    )
+    _, rows = build.headline({"workspace": files})
+    assert rows[0][2:] == ["online (vLLM)", "2.500", "50.0%", "1.25"]
+    assert rows[1][1:] == ["pe (peagle)", "online (vLLM)", "2.500", "50.0%", "none (spread 0.48)"]

@@ -30,6 +30,7 @@ NOT_SETTINGS = {
     "hidden_states": "the stage: online -> online_flags (test_online_flags_reach_speculators)",
     "online": "training.online.speculators_flags -> online_flags",
     "family": "as is (test_family_reaches_settings; excludes init_from, so not in NON_DEFAULT)",
+    "init_from_verifier": "as is (test_init_from_verifier_reaches_settings; excludes init_from)",
 }
 RENAMED = {"max_tokens_per_batch": "total_seq_len"}
 # A value unlike the default for each carried field, so a forgotten one shows.
@@ -49,6 +50,7 @@ NON_DEFAULT = {
     "train_lm_head": False,
     "grad_accumulation": 4,
     "keep_last": 5,
+    "cpu_dtype": "bfloat16",
 }
 
 
@@ -92,6 +94,11 @@ def test_settings_carry_every_train_param() -> None:
     assert settings.d2t_path == Path("data/vocab/d2t.npy")
     assert settings.t2d_path == Path("data/vocab/t2d.npy")
     assert settings.metrics_every_steps == 1  # every step to DVCLive
+
+
+def test_init_from_verifier_reaches_settings() -> None:
+    settings = _settings_from(TrainParams(init_from_verifier=True))
+    assert settings.init_from_verifier and settings.init_from is None
 
 
 def test_family_reaches_settings() -> None:

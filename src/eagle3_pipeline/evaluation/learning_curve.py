@@ -1,0 +1,139 @@
+"""The learning curve's arithmetic: mean acceptance length against training tokens.
+
+Form: the per-draft acceptance `alpha` that gives the measured mean acceptance length at k drafts
+(tau = 1 + alpha + ... + alpha^k, as if each draft token were accepted independently) has a
+logit linear in ln(training tokens). It is bounded (tau stays within [1, k + 1] however far it
+extrapolates, where a line in ln(tokens) would pass k + 1), it has two parameters (three points
+leave one degree of freedom, and the smaller fractions alone predict the largest), and it is
+what data-scaling curves of classifiers' accuracy look like in practice.
+
+Intervals: a bootstrap over the val samples (every point resampled alike: they are measured on
+the same samples), refitting each resample. That is the measurement's noise only; a training
+seed's and the form's own error are not in it, which is why the curve stage also reports how
+well the smaller fractions predicted the largest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+EPS = 1e-6  # alpha kept inside (0, 1): a point at tau = 1 or k + 1 has an infinite logit
+
+
+@dataclass(frozen=True)
+class Point:
+    """One trained drafter measured: its training data and per-val-sample draft counts."""
+
+    fraction: float  # 1.0: the full run (`train`)
+    train_samples: int
+    train_tokens: int
+    drafts: Sequence[int]  # per val sample: drafts simulated (one per supervised start)
+    accepted: Sequence[int]  # per val sample: draft tokens accepted
+
+    @property
+    def tau(self) -> float:
+        return tau_of(sum(self.drafts), sum(self.accepted))
+
+
+@dataclass(frozen=True)
+class Fit:
+    a: float
+    b: float  # logit(alpha) = a + b * ln(tokens)
+    k: int
+
+    def tau(self, tokens: float) -> float:
+        return tau_from_alpha(_sigmoid(self.a + self.b * math.log(tokens)), self.k)
+
+    def tokens_for(self, tau: float) -> float | None:
+        """Training tokens at which the fit reaches `tau`; None where it never does."""
+        if not 1.0 < tau < self.k + 1 or self.b <= 0:
+            return None
+        return math.exp((_logit(alpha_of(tau, self.k)) - self.a) / self.b)
+
+
+def tau_of(drafts: float, accepted: float) -> float:
+    """Mean acceptance length, as vLLM counts it (evaluation/acceptance.py)."""
+    return 1.0 + accepted / drafts if drafts else 1.0
+
+
+def tau_from_alpha(alpha: float, k: int) -> float:
+    return sum(alpha**j for j in range(k + 1))
+
+
+def alpha_of(tau: float, k: int) -> float:
+    """The alpha in [0, 1] with tau_from_alpha(alpha, k) = tau (bisection: it is increasing)."""
+    lo, hi = 0.0, 1.0
+    tau = min(max(tau, 1.0), k + 1.0)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tau_from_alpha(mid, k) < tau else (lo, mid)
+    return (lo + hi) / 2
+
+
+def fit(tokens: Sequence[float], taus: Sequence[float], k: int) -> Fit:
+    """Least squares of logit(alpha) on ln(tokens); needs two distinct token counts."""
+    if len(set(tokens)) < 2:
+        raise ValueError("a fit needs points at two or more token counts")
+    x = np.log(np.asarray(tokens, dtype=float))
+    y = np.array([_logit(alpha_of(t, k)) for t in taus])
+    b, a = np.polyfit(x, y, 1)
+    return Fit(float(a), float(b), k)
+
+
+def fit_points(points: Sequence[Point], k: int) -> Fit:
+    return fit([p.train_tokens for p in points], [p.tau for p in points], k)
+
+
+def bootstrap(
+    points: Sequence[Point],
+    k: int,
+    at_tokens: Sequence[float],
+    resamples: int,
+    confidence: float,
+    seed: int = 0,
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(interval of each point's tau, interval of the fit's tau at each of `at_tokens`), from
+    `resamples` resamples of the val samples, the same indices for every point."""
+    n = len(points[0].drafts)
+    if any(len(p.drafts) != n for p in points):
+        raise ValueError("every point must be measured on the same val samples")
+    rng = np.random.default_rng(seed)
+    drafts = np.array([p.drafts for p in points], dtype=float)  # [points, samples]
+    accepted = np.array([p.accepted for p in points], dtype=float)
+    tokens = [p.train_tokens for p in points]
+    point_taus, predicted = [], []
+    for _ in range(resamples):
+        idx = rng.integers(0, n, n)
+        d, a = drafts[:, idx].sum(1), accepted[:, idx].sum(1)
+        taus = [tau_of(di, ai) for di, ai in zip(d, a, strict=True)]
+        point_taus.append(taus)
+        if len(set(tokens)) >= 2:
+            f = fit(tokens, taus, k)
+            predicted.append([f.tau(t) for t in at_tokens])
+    lo_q, hi_q = (1 - confidence) / 2, (1 + confidence) / 2
+
+    def interval(values: np.ndarray) -> list[tuple[float, float]]:
+        if values.size == 0:
+            return []
+        lo, hi = np.quantile(values, [lo_q, hi_q], axis=0)
+        return [(float(x), float(y)) for x, y in zip(lo, hi, strict=True)]
+
+    return interval(np.array(point_taus)), interval(np.array(predicted))
+
+
+def peak_epoch(taus: Sequence[float]) -> int | None:
+    """The epoch (0-based) with the highest val acceptance; the first of equals."""
+    return int(np.argmax(taus)) if len(taus) else None
+
+
+def _logit(alpha: float) -> float:
+    alpha = min(max(alpha, EPS), 1 - EPS)
+    return math.log(alpha / (1 - alpha))
+
+
+def _sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x))

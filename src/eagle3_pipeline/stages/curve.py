@@ -1,0 +1,282 @@
+"""Stage `curve`: how much more data buys, before the GPU hours are spent.
+
+`curve_train@F` trains train's drafter on the nested fraction F of the training rows (stages/
+train.py, `--fraction`), then `eagle3 curve --measure F` simulates it offline, as evaluate
+simulates train's drafter, on the same val samples, per sample (metrics/fractions/F/eval.json).
+`eagle3 curve` measures train's drafter alike, fits mean acceptance length against training
+tokens (evaluation/learning_curve.py), checks the fit of the smaller fractions against the
+largest point, predicts at `curve.predict_at` times the data with intervals, and reads the full
+run's val acceptance per epoch (the epoch where it peaks). Outputs: metrics/curve.json and the
+plot series metrics/curve/{tokens,epochs}.json. Without fractions it reports the epochs only.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3_pipeline import atomic, paths, readers, split
+from eagle3_pipeline.drafter import load as drafter
+from eagle3_pipeline.drafter.conventions import run_conventions
+from eagle3_pipeline.errors import DataError, StoreError
+from eagle3_pipeline.evaluation import learning_curve as lc
+from eagle3_pipeline.evaluation import offline
+from eagle3_pipeline.params import Params
+from eagle3_pipeline.progress import Progress, log
+from eagle3_pipeline.store import format as store
+from eagle3_pipeline.verifier import identity as vf
+
+STAGE = "curve"
+VAL_TAU_SERIES = paths.TRAIN_LIVE / "plots/metrics/val/acceptance_length.tsv"
+
+
+@dataclass
+class Counts:
+    """Per val sample: drafts simulated and draft tokens accepted (offline.accepted_prefix)."""
+
+    drafts: list[int]
+    accepted: list[int]
+
+
+def measure(params: Params, fraction: float) -> None:
+    """`eagle3 curve --measure F`: fraction F's best checkpoint on the val samples."""
+    model_dir = paths.CURVE_MODELS / str(fraction) / "best"
+    ids, counts = _simulate(params, {"fraction": model_dir})
+    rows = _train_rows(params, fraction)
+    record = _record(params, fraction, rows, ids, counts["fraction"])
+    out = paths.CURVE_FRACTIONS / str(fraction) / "eval.json"
+    atomic.write_json(out, record)
+    log(
+        f"curve_train@{fraction}",
+        f"{record['train_samples']} samples, {record['train_tokens']:,} tokens: mean "
+        f"acceptance length {record['tau']:.3f} on {len(ids)} val samples -> {out}",
+    )
+
+
+def run(params: Params) -> None:
+    c, k = params.curve, params.evaluate.num_speculative_tokens
+    if not c.fractions:  # evaluate already simulated train's drafter: nothing to fit
+        result = {"num_speculative_tokens": k, "points": [], "check": None, "fit": None}
+        _write(result | {"predictions": None, "epochs": _epochs()})
+        return
+    ids, counts = _simulate(params, {"full": paths.DRAFTER})
+    full = _record(params, 1.0, _train_rows(params, None), ids, counts["full"])
+    records = [_read_fraction(f, full) for f in sorted(c.fractions)] + [full]
+    points = [
+        lc.Point(r["fraction"], r["train_samples"], r["train_tokens"], **r["per_sample"])
+        for r in records
+    ]
+    result: dict[str, Any] = {
+        "num_speculative_tokens": k,
+        "val_samples": len(ids),
+        "form": "logit(alpha) = a + b ln(train_tokens); tau = 1 + alpha + ... + alpha^k",
+        "confidence": c.confidence,
+        "bootstrap_samples": c.bootstrap_samples,
+    }
+    targets = [full["train_tokens"] * m for m in c.predict_at]
+    point_iv, predicted_iv = lc.bootstrap(
+        points, k, targets, c.bootstrap_samples, c.confidence, seed=params.seed
+    )
+    result["points"] = [
+        {
+            "fraction": p.fraction,
+            "train_samples": p.train_samples,
+            "train_tokens": p.train_tokens,
+            "tau": round(p.tau, 4),
+            "tau_interval": _round(point_iv[i]),
+        }
+        for i, p in enumerate(points)
+    ]
+    result["check"] = _check(points, k, c, params.seed)
+    result["fit"] = result["predictions"] = None
+    if len(points) >= 2:
+        f = lc.fit_points(points, k)
+        result["fit"] = {"a": f.a, "b": f.b, "fitted_on": [p.fraction for p in points]}
+        result["predictions"] = [
+            {
+                "data_multiple": m,
+                "train_tokens": int(t),
+                "tau": round(f.tau(t), 4),
+                "interval": _round(predicted_iv[i]),
+            }
+            for i, (m, t) in enumerate(zip(c.predict_at, targets, strict=True))
+        ]
+    result["epochs"] = _epochs()
+    _write(result)
+
+
+def _write(result: dict[str, Any]) -> None:
+    atomic.write_json(paths.CURVE, result)
+    _write_plots(result)
+    for line in summary_lines(result):
+        log(STAGE, line)
+
+
+def summary_lines(curve: dict[str, Any]) -> list[str]:
+    """The curve in a few log lines (the stage's log and the end-of-run summary)."""
+    lines = []
+    for p in curve["points"]:
+        lo, hi = p["tau_interval"]
+        name = "full run" if p["fraction"] == 1.0 else f"fraction {p['fraction']}"
+        lines.append(
+            f"{name}: {p['train_samples']} samples, {p['train_tokens']:,} tokens: mean "
+            f"acceptance length {p['tau']:.3f} [{lo:.3f}, {hi:.3f}]"
+        )
+    check = curve.get("check")
+    if check:
+        lines.append(
+            f"fitted on fractions {', '.join(map(str, check['fitted_on']))}: predicted "
+            f"{check['predicted']:.3f} at the full run's {check['train_tokens']:,} tokens, "
+            f"measured {check['measured']:.3f} (error {check['error']:+.3f})"
+        )
+    for pr in curve.get("predictions") or []:
+        lo, hi = pr["interval"]
+        lines.append(
+            f"{pr['data_multiple']:g}x the data ({pr['train_tokens']:,} tokens): predicted "
+            f"{pr['tau']:.3f} [{lo:.3f}, {hi:.3f}] ({curve['confidence']:.0%} interval, val "
+            "resampled)"
+        )
+    ep = curve.get("epochs")
+    if ep and ep["tau_by_epoch"]:
+        taus = ", ".join(f"{t:.3f}" for t in ep["tau_by_epoch"])
+        lines.append(
+            f"val acceptance by epoch: {taus} (peak at epoch {ep['peak_epoch'] + 1} of "
+            f"{len(ep['tau_by_epoch'])})"
+        )
+    return lines
+
+
+def _check(points: list[lc.Point], k: int, c: Any, seed: int) -> dict[str, Any] | None:
+    """The fit of the smaller points, predicting the largest: does the form hold here?"""
+    smaller, largest = points[:-1], points[-1]
+    if len({p.train_tokens for p in smaller}) < 2:
+        return None
+    f = lc.fit_points(smaller, k)
+    _, iv = lc.bootstrap(
+        smaller, k, [largest.train_tokens], c.bootstrap_samples, c.confidence, seed
+    )
+    predicted = f.tau(largest.train_tokens)
+    return {
+        "fitted_on": [p.fraction for p in smaller],
+        "train_tokens": largest.train_tokens,
+        "predicted": round(predicted, 4),
+        "interval": _round(iv[0]),
+        "measured": round(largest.tau, 4),
+        "error": round(predicted - largest.tau, 4),
+    }
+
+
+def _simulate(params: Params, dirs: dict[str, Path]) -> tuple[list[str], dict[str, Counts]]:
+    """(the val ids, per model: counts per val sample) as evaluate simulates them: the first
+    evaluate.max_offline_samples val samples by id, greedy tokens computed once per sample."""
+    config = vf.text_config(vf.read_config(params.verifier.path))
+    conventions = run_conventions(params, int(config["num_hidden_layers"]))
+    manifest = store.read_manifest(paths.HIDDEN_STATES)
+    positions = store.check_layout(
+        manifest, conventions.aux_layer_ids, conventions.final_layer_id, paths.HIDDEN_STATES
+    )
+    val = {sid: e for sid, e in manifest["samples"].items() if e["split"] == "val"}
+    if not val:
+        raise StoreError(f"{paths.HIDDEN_STATES}: no val samples: raise prepare.val_ratio")
+    ids = sorted(val)[: params.evaluate.max_offline_samples]
+    device, dtype = drafter.compute_placement()
+    models = {
+        name: drafter.load_drafter(path, params.verifier.path, device, dtype)
+        for name, path in dirs.items()
+    }
+    head = offline.VerifierHead(
+        params.verifier.path, float(config.get("rms_norm_eps", 1e-6)), device, dtype
+    )
+    k = params.evaluate.num_speculative_tokens
+    counts = {n: Counts([], []) for n in models}
+    progress = Progress(STAGE, len(ids), unit="samples")
+    for sid in ids:
+        t = store.read_sample(paths.HIDDEN_STATES, val[sid], layers=positions)
+        hs, tokens, mask = t["hidden_states"], t["token_ids"], t["loss_mask"]
+        greedy = head.greedy(hs[:, -1])
+        for name, model in models.items():
+            prefix = offline.accepted_prefix(
+                offline.draft_matches(model, hs, tokens, greedy, k), mask
+            )
+            counts[name].drafts.append(int(prefix.shape[0]))
+            counts[name].accepted.append(int(prefix.sum()))
+        progress.advance()
+    return ids, counts
+
+
+def _train_rows(params: Params, fraction: float | None) -> list[dict]:
+    rows = readers.read_jsonl(paths.TOKENIZED / "train.jsonl")
+    if fraction is None:
+        return rows
+    ratio = params.prepare.val_ratio
+    return [r for r in rows if split.in_fraction(r["id"], fraction, ratio)]
+
+
+def _record(
+    params: Params, fraction: float, rows: list[dict], ids: list[str], counts: Counts
+) -> dict[str, Any]:
+    return {
+        "fraction": fraction,
+        "num_speculative_tokens": params.evaluate.num_speculative_tokens,
+        "train_samples": len(rows),
+        "train_tokens": sum(len(r["input_ids"]) for r in rows),
+        "supervised_tokens": sum(sum(r["loss_mask"]) for r in rows),
+        "val_ids_sha256": _ids_hash(ids),
+        "tau": round(lc.tau_of(sum(counts.drafts), sum(counts.accepted)), 4),
+        "per_sample": {"drafts": counts.drafts, "accepted": counts.accepted},
+    }
+
+
+def _read_fraction(fraction: float, full: dict[str, Any]) -> dict[str, Any]:
+    path = paths.CURVE_FRACTIONS / str(fraction) / "eval.json"
+    if not path.is_file():
+        raise DataError(f"{path}: not found: run the stage curve_train@{fraction}")
+    record = json.loads(path.read_text())
+    for key in ("val_ids_sha256", "num_speculative_tokens"):
+        if record.get(key) != full[key]:
+            raise DataError(
+                f"{path}: measured on other val samples or draft counts than the full run "
+                f"({key}): rerun curve_train@{fraction} (dvc repro -f curve_train@{fraction})"
+            )
+    return record
+
+
+def _epochs() -> dict[str, Any]:
+    """The full run's val acceptance per epoch (speculators' validation: the chained
+    conditional accuracies, teacher-forced), in the order the epochs ran."""
+    taus: list[float] = []
+    if VAL_TAU_SERIES.is_file():
+        with open(VAL_TAU_SERIES, newline="") as fh:
+            taus = [float(r["acceptance_length"]) for r in csv.DictReader(fh, delimiter="\t")]
+    peak = lc.peak_epoch(taus)
+    return {
+        "tau_by_epoch": [round(t, 4) for t in taus],
+        "peak_epoch": peak,
+        "peak_tau": round(taus[peak], 4) if peak is not None else None,
+        "source": "train's val (speculators' chained conditional accuracy)",
+    }
+
+
+def _write_plots(result: dict[str, Any]) -> None:
+    tokens = [
+        {"train_tokens": p["train_tokens"], "tau": p["tau"], "kind": "measured"}
+        for p in result["points"]
+    ] + [
+        {"train_tokens": p["train_tokens"], "tau": p["tau"], "kind": "predicted"}
+        for p in result["predictions"] or []
+    ]
+    epochs = [{"epoch": i + 1, "tau": t} for i, t in enumerate(result["epochs"]["tau_by_epoch"])]
+    atomic.write_json(paths.CURVE_TOKENS, tokens)
+    atomic.write_json(paths.CURVE_EPOCHS, epochs)
+
+
+def _ids_hash(ids: list[str]) -> str:
+    return hashlib.sha256("\n".join(ids).encode()).hexdigest()
+
+
+def _round(iv: tuple[float, float]) -> list[float]:
+    return [round(iv[0], 4), round(iv[1], 4)]
