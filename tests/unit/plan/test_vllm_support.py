@@ -16,7 +16,7 @@ from plan_cases import KIMI, PROFILE, REPO, profile, refused
 
 from eagle3_pipeline.errors import ParamsError, ServerError, VerifierError
 from eagle3_pipeline.params import Params, load_params
-from eagle3_pipeline.plan import support
+from eagle3_pipeline.plan import support, vllm_classes, vllm_needs
 
 PRETRAINED = REPO / "profiles/pretrained.yaml"
 # vLLM 0.32 registers both, and neither class implements SupportsEagle3 (gemma2.py, opt.py).
@@ -187,7 +187,7 @@ def test_vllm_not_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_a_drafter_class_vllm_lacks_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(support.DRAFTER_ARCHITECTURES, "dflash", "NoSuchDFlashDraftModel")
+    monkeypatch.setitem(vllm_needs.DRAFTER_ARCHITECTURES, "dflash", "NoSuchDFlashDraftModel")
     params = load_params(REPO / "profiles/tiny-llama-families.yaml")
     with pytest.raises(VerifierError, match="no NoSuchDFlashDraftModel in its model registry"):
         support.check_vllm(params, None, "here")
@@ -200,7 +200,7 @@ def test_answers_are_cached_against_vllms_files(monkeypatch: pytest.MonkeyPatch)
     def no_vllm() -> None:
         raise ImportError("vLLM must not be imported on a cached answer")
 
-    monkeypatch.setattr(support, "_import_vllm", no_vllm)
+    monkeypatch.setattr(vllm_classes, "_import_vllm", no_vllm)
     assert support.check_vllm(params, None, "here", cache=support.CACHE) == first
     data = json.loads(support.CACHE.read_text())
     data["classes"]["LlamaForCausalLM"]["files"][0][1] += 1  # llama.py changed since
