@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -128,6 +129,40 @@ def bootstrap(
 def peak_epoch(taus: Sequence[float]) -> int | None:
     """The epoch (0-based) with the highest val acceptance; the first of equals."""
     return int(np.argmax(taus)) if len(taus) else None
+
+
+def summary_lines(curve: dict[str, Any]) -> list[str]:
+    """The curve in a few log lines (the stage's log and the end-of-run summary)."""
+    lines = []
+    for p in curve["points"]:
+        lo, hi = p["tau_interval"]
+        name = "full run" if p["fraction"] == 1.0 else f"fraction {p['fraction']}"
+        lines.append(
+            f"{name}: {p['train_samples']} samples, {p['train_tokens']:,} tokens: mean "
+            f"acceptance length {p['tau']:.3f} [{lo:.3f}, {hi:.3f}]"
+        )
+    check = curve.get("check")
+    if check:
+        lines.append(
+            f"fitted on fractions {', '.join(map(str, check['fitted_on']))}: predicted "
+            f"{check['predicted']:.3f} at the full run's {check['train_tokens']:,} tokens, "
+            f"measured {check['measured']:.3f} (error {check['error']:+.3f})"
+        )
+    for pr in curve.get("predictions") or []:
+        lo, hi = pr["interval"]
+        lines.append(
+            f"{pr['data_multiple']:g}x the data ({pr['train_tokens']:,} tokens): predicted "
+            f"{pr['tau']:.3f} [{lo:.3f}, {hi:.3f}] ({curve['confidence']:.0%} interval, val "
+            "resampled)"
+        )
+    ep = curve.get("epochs")
+    if ep and ep["tau_by_epoch"]:
+        taus = ", ".join(f"{t:.3f}" for t in ep["tau_by_epoch"])
+        lines.append(
+            f"val acceptance by epoch: {taus} (peak at epoch {ep['peak_epoch'] + 1} of "
+            f"{len(ep['tau_by_epoch'])})"
+        )
+    return lines
 
 
 def _logit(alpha: float) -> float:

@@ -14,7 +14,7 @@ import sys
 
 from eagle3_pipeline import paths, provenance
 from eagle3_pipeline.errors import PipelineError
-from eagle3_pipeline.evaluation import speedup
+from eagle3_pipeline.evaluation import learning_curve, speedup
 from eagle3_pipeline.params import load_params
 from eagle3_pipeline.report import comparison
 
@@ -81,8 +81,21 @@ def main() -> int:
         )
         if ev.get("mismatch"):
             print("MISMATCH: online acceptance is far below the offline simulation (see evaluate)")
+    _print_curve()
     compared = _print_comparison(ev["num_speculative_tokens"])
     return 1 if problem or not compared else 0
+
+
+def _print_curve() -> None:
+    """The learning curve (curve stage), where this run made one: what more data would buy."""
+    if not paths.CURVE.is_file():
+        return
+    curve = json.loads(paths.CURVE.read_text())
+    lines = learning_curve.summary_lines(curve)
+    if lines:
+        print(f"learning curve ({paths.CURVE}; eagle3 plan turns it into data, disk and hours):")
+        for line in lines:
+            print(f"  {line}")
 
 
 def _print_comparison(k: int) -> bool:

@@ -214,3 +214,23 @@ def test_a_broken_branch_file_is_one_line_and_exit_1(run_dir: Path, capsys) -> N
         "error: metrics/families/e31/eval.json: not valid JSON (line 1): rerun the stage: "
         "dvc repro --force --single-item family_eval@e31"
     )
+
+
+def test_the_learning_curve_ends_the_summary(run_dir: Path, capsys) -> None:
+    """With a curve (the curve stage's metrics/curve.json): its points, check and predictions."""
+    point = {"train_samples": 100, "train_tokens": 20_000, "tau_interval": [1.4, 1.6]}
+    curve = {
+        "confidence": 0.9,
+        "points": [point | {"fraction": 0.5, "tau": 1.5}, point | {"fraction": 1.0, "tau": 1.7}],
+        "check": None,
+        "predictions": [
+            {"data_multiple": 2.0, "train_tokens": 40_000, "tau": 1.9, "interval": [1.8, 2.0]}
+        ],
+        "epochs": {"tau_by_epoch": [1.2, 1.7], "peak_epoch": 1},
+    }
+    (run_dir / "metrics/curve.json").write_text(json.dumps(curve))
+    assert summary.main() == 0
+    out = capsys.readouterr().out
+    assert "learning curve (metrics/curve.json" in out
+    assert "2x the data (40,000 tokens): predicted 1.900 [1.800, 2.000]" in out
+    assert "val acceptance by epoch: 1.200, 1.700 (peak at epoch 2 of 2)" in out
