@@ -97,7 +97,7 @@ def result(wall_s: float | None) -> dict:
             "tau": [p["tau"] for p in points],
             "predicted_largest": check.get("predicted"),
             "measured_largest": check.get("measured"),
-            "error": check.get("error"),
+            "difference": check.get("difference"),
             "predictions": curve.get("predictions"),
             "tau_by_epoch": (curve.get("epochs") or {}).get("tau_by_epoch"),
         },

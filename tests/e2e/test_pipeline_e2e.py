@@ -403,7 +403,7 @@ def test_the_learning_curve_fits_nested_fractions(pipeline: Path) -> None:
     assert all(lo <= p["tau"] <= hi for p in points for lo, hi in [p["tau_interval"]])
     check = curve["check"]
     assert check["fitted_on"] == [0.25, 0.5] and check["measured"] == points[-1]["tau"]
-    assert check["error"] == pytest.approx(check["predicted"] - check["measured"], abs=1e-3)
+    assert check["difference"] == pytest.approx(check["predicted"] - check["measured"], abs=1e-3)
     assert [p["data_multiple"] for p in curve["predictions"]] == [2.0, 10.0]
     assert curve["epochs"]["tau_by_epoch"] and len(curve["epochs"]["tau_by_epoch"]) == 8
     fractions = {

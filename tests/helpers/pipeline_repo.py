@@ -254,7 +254,7 @@ DFLASH_LAYERS = [1, 3, 5, 7]
 # minutes; tests/unit/evaluation/test_draft_sweep.py covers it.
 # The verifier writes a fifth of the prompts (Magpie, vLLM's engine), and the learning curve
 # trains two nested fractions beside the full run (docs/learning-curve.md).
-SYNTHESIZE = {"count": 12, "batch_size": 16, "max_prompt_tokens": 48}
+SYNTHESIZE = {"count": 12, "batch_size": 16, "max_prompt_tokens": 64, "max_samples_ratio": 10}
 CURVE = {"fractions": [0.25, 0.5], "bootstrap_samples": 200}
 TINY_RUN = Run(
     "e2e",

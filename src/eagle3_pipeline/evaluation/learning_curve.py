@@ -146,7 +146,7 @@ def summary_lines(curve: dict[str, Any]) -> list[str]:
         lines.append(
             f"fitted on fractions {', '.join(map(str, check['fitted_on']))}: predicted "
             f"{check['predicted']:.3f} at the full run's {check['train_tokens']:,} tokens, "
-            f"measured {check['measured']:.3f} (error {check['error']:+.3f})"
+            f"measured {check['measured']:.3f} (difference {check['difference']:+.3f})"
         )
     for pr in curve.get("predictions") or []:
         lo, hi = pr["interval"]

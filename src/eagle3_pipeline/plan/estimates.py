@@ -15,6 +15,7 @@ from pathlib import Path
 from eagle3_pipeline.drafter.shape import DrafterShape, ParamGroup
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.store import sizes
+from eagle3_pipeline.synthesis.mix import mix_counts
 
 # Average characters per token, used only to guess prompt length from prompt files.
 CHARS_PER_TOKEN = 4
@@ -147,6 +148,8 @@ def estimate_tokens(
         return TokenEstimate(tokens, ["given (--tokens); prompt count unknown (--prompts N)"])
     else:
         return TokenEstimate(None, [f"unknown: {source} not found; pass --tokens N or --prompts N"])
+    if prompts is None:
+        n, how_n = _with_synthesized(params, n, how_n)
     if tokens is not None:
         how = [f"given (--tokens) over {n:,} prompts ({how_n}): {tokens / n:,.0f} per sample"]
         return TokenEstimate(tokens, how, n)
@@ -160,6 +163,22 @@ def estimate_tokens(
         "(upper bound: every answer runs to generate.max_new_tokens)",
     ]
     return TokenEstimate(n * per_sample, how, n)
+
+
+def _with_synthesized(params: Params, given: int, how: str) -> tuple[int, str]:
+    """The prompt count once prepare mixes in prepare.synthesize.count synthesized prompts."""
+    p = params.prepare
+    synthesized = p.synthesize.count
+    if not synthesized:
+        return given, how
+    if p.synthesized_share is None:
+        syn, giv = synthesized, given
+    else:
+        syn, giv = mix_counts(synthesized, given, p.synthesized_share)
+    total = syn + giv
+    if p.max_prompts:
+        total = min(total, p.max_prompts)
+    return total, f"{giv:,} given {how} + {syn:,} the verifier writes (prepare.synthesize)"
 
 
 def train_ranks(params: Params) -> int:

@@ -132,7 +132,8 @@ def _check(points: list[lc.Point], k: int, c: Any, seed: int) -> dict[str, Any] 
         "predicted": round(predicted, 4),
         "interval": _round(iv[0]),
         "measured": round(largest.tau, 4),
-        "error": round(predicted - largest.tau, 4),
+        # not "error": `dvc metrics show` takes any key of that name for a failure to load
+        "difference": round(predicted - largest.tau, 4),
     }
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import tempfile
 import time
@@ -39,6 +38,7 @@ from eagle3_pipeline.params import Params, PrepareParams
 from eagle3_pipeline.progress import log
 from eagle3_pipeline.prompt_files import Where
 from eagle3_pipeline.store import names
+from eagle3_pipeline.synthesis.mix import mix_counts
 
 STAGE = "prepare"
 OUTPUT_DIR = paths.PREPARED
@@ -59,16 +59,6 @@ def mix_rank(sample_id: str) -> int:
     """The order in which a source's rows are taken into a mix: a hash of the id, salted so
     that it is independent of the split's (the first rows taken are not all val rows)."""
     return int.from_bytes(hashlib.sha256(b"mix\0" + sample_id.encode()).digest()[:8], "big")
-
-
-def mix_counts(synthesized: int, given: int, share: float) -> tuple[int, int]:
-    """(synthesized, given) rows to take: the largest mix with `share` of it synthesized that
-    `synthesized` and `given` usable rows allow (1.0: every synthesized row, no given one)."""
-    if share >= 1.0:
-        return synthesized, 0
-    total = math.floor(min(synthesized / share, given / (1.0 - share)) + 1e-9)
-    syn = min(synthesized, round(total * share))
-    return syn, min(given, total - syn)
 
 
 class SkipLog:

@@ -312,7 +312,7 @@ def test_synthesized_prompts_mix_by_share_nested(tmp_path: Path, capsys) -> None
 
 
 def test_mix_counts() -> None:
-    from eagle3_pipeline.stages.prepare import mix_counts
+    from eagle3_pipeline.synthesis.mix import mix_counts
 
     assert mix_counts(40, 60, 0.5) == (40, 40)
     assert mix_counts(300, 120, 0.5) == (120, 120)
