@@ -409,6 +409,11 @@ class EvaluateParams(_Strict):
     # a spread (max - min over median) above speedup_max_spread gives no figure, only the
     # spread (a loaded machine). 0: no rounds and no speed-up figure, the servers up one at a
     # time (a node whose memory holds one verifier: the kimi-k2.5 profiles).
+    # The vLLM arguments of evaluate's servers (with and without the drafter) instead of
+    # vllm.extra_args; null: the same. E.g. generate and extract in bf16 for speed, evaluate in
+    # fp32, where the greedy outputs with and without the drafter are the same tokens (bf16's
+    # rounding differs between the verifier's one-token and multi-token steps).
+    vllm_extra_args: list[str] | None = None
     speedup_rounds: int = Field(5, ge=0)
     speedup_max_spread: float = Field(0.25, gt=0.0)
 

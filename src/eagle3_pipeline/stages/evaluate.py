@@ -15,6 +15,7 @@ evaluate.max_offline_samples val samples, and is released before the servers sta
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from pathlib import Path
 from typing import Any
@@ -311,6 +312,8 @@ def run_online(
     )
     # No reasoning parser: the whole completion (reasoning included) is what the runs compare.
     base = verifier_spec(params, work / "vllm.log")
+    if e.vllm_extra_args is not None:
+        base = dataclasses.replace(base, extra_args=list(e.vllm_extra_args))
     section, differing, verdict = online_eval.evaluate(
         base,
         drafter_dir,

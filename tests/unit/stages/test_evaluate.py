@@ -478,3 +478,31 @@ def test_the_stage_writes_no_speedup_when_the_rounds_disagree(
     assert online["mean_acceptance_length"] == 2.0 and out["lossless"]["verdict"] == "identical"
     (line,) = [x for x in capsys.readouterr().out.splitlines() if "vLLM: mean" in x]
     assert "no speed-up figure: the 5 paired rounds' ratios range from x0.50 to x2.00" in line
+
+
+def test_evaluate_serves_with_its_own_vllm_args_when_given(
+    stage_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """evaluate.vllm_extra_args replaces vllm.extra_args on both of evaluate's servers (e.g.
+    fp32 where generate and extract ran bf16); null keeps vllm.extra_args."""
+    started: list[list[str]] = []
+
+    @contextlib.contextmanager
+    def servers_up(specs: list[ServerSpec], together: bool):
+        started.extend(spec.extra_args for spec in specs)
+
+        def fake(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+            drafts = 3 if spec.speculative_config else 0
+            return fake_run([[1, 2]] * len(conversations), wall=1.0, drafts=drafts, accepted=2)
+
+        yield fake
+
+    monkeypatch.setattr(oe, "servers_up", servers_up)
+    base = {"vllm": {"extra_args": ["--dtype", "bfloat16"]}}
+    for own, expected in ((["--dtype", "float32"], ["--dtype", "float32"]), (None, None)):
+        started.clear()
+        params = Params.model_validate(
+            base | {"evaluate": {"online": True, "max_eval_prompts": 3, "vllm_extra_args": own}}
+        )
+        evaluate.run_online(params)
+        assert started and all(a == (expected or ["--dtype", "bfloat16"]) for a in started)
