@@ -68,7 +68,7 @@ def first_samples(tokenized: Path, n: int | None) -> dict[str, dict]:
 
 def stage_pass(run_batch, batches, rows, layout, out: Path) -> float:
     """Seconds for the stage's batch path over all batches: compute, write behind, journal."""
-    from eagle3_pipeline import resume
+    from eagle3_pipeline.core import resume
     from eagle3_pipeline.stages.extract import write_batch
 
     out.mkdir(parents=True)
@@ -97,7 +97,7 @@ def bare_pass(llm, sampling, batches, rows) -> float:
 
 def plan(params_path: str, samples: int | None):
     """(params, store layout, rows by id, the stage's batches), as stages/extract.py makes them."""
-    from eagle3_pipeline import paths
+    from eagle3_pipeline.core import paths
     from eagle3_pipeline.extraction import token_budget_batches
     from eagle3_pipeline.params import load_params
     from eagle3_pipeline.store import format as store
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-extract-"))
     # vLLM's caches into the temp dir; the rest as the CLI sets it for every stage.
     os.environ["VLLM_CACHE_ROOT"] = str(tmp / "vllm-cache")
-    from eagle3_pipeline import atomic
+    from eagle3_pipeline.core import atomic
     from eagle3_pipeline.serving.server import vllm_env_defaults
 
     for key, value in vllm_env_defaults().items():

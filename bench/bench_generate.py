@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
     from transformers import AutoTokenizer
 
-    from eagle3_pipeline import atomic
+    from eagle3_pipeline.core import atomic
     from eagle3_pipeline.serving.server import vllm_env_defaults
 
     n = args.prompts

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eagle3_pipeline.errors import DataError
+from eagle3_pipeline.core.errors import DataError
 
 THINK_START = "<think>"
 THINK_END = "</think>"

@@ -13,8 +13,9 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from eagle3_pipeline import disk, paths, stage_deps, stage_lock
-from eagle3_pipeline.errors import PipelineError
+from eagle3_pipeline import stage_deps, stage_lock
+from eagle3_pipeline.core import disk, paths
+from eagle3_pipeline.core.errors import PipelineError
 from eagle3_pipeline.serving.server import vllm_env_defaults
 
 if TYPE_CHECKING:

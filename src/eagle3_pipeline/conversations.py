@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from eagle3_pipeline.errors import DataError
+from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.prompt_files import Where, prompt_files, raw_rows
 
 TrailingAssistant = Literal["refuse", "regenerate"]

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3_pipeline import paths
-from eagle3_pipeline.errors import DataError
+from eagle3_pipeline.core import paths
+from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.verifier import loading
 from eagle3_pipeline.verifier.capture import LayerCapture, forward_hidden_states

@@ -12,9 +12,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
-from eagle3_pipeline import paths
+from eagle3_pipeline.core import paths
+from eagle3_pipeline.core.errors import ParamsError
 from eagle3_pipeline.drafter.families import Families, FamilyParams
-from eagle3_pipeline.errors import ParamsError
 from eagle3_pipeline.verifier.layer_ids import family_field, store_aux_layer_ids
 
 DEFAULT_PARAMS = Path("params.yaml")

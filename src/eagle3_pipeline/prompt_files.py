@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from eagle3_pipeline.errors import DataError
+from eagle3_pipeline.core.errors import DataError
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 PARQUET_BATCH_ROWS = 1024

@@ -29,8 +29,8 @@ from typing import Any
 
 import yaml
 
-from eagle3_pipeline import atomic, paths
-from eagle3_pipeline.errors import ParamsError
+from eagle3_pipeline.core import atomic, paths
+from eagle3_pipeline.core.errors import ParamsError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving.served_with import served_in
 

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3_pipeline.errors import ParamsError
+from eagle3_pipeline.core.errors import ParamsError
 
 if TYPE_CHECKING:
     from eagle3_pipeline.params import Params

@@ -26,8 +26,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from eagle3_pipeline import atomic, paths
-from eagle3_pipeline.errors import PipelineError
+from eagle3_pipeline.core import atomic, paths
+from eagle3_pipeline.core.errors import PipelineError
 
 LOCKS = paths.SCRATCH / "locks"
 

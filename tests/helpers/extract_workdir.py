@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from eagle3_pipeline import resume
+from eagle3_pipeline.core import resume
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.store import format as store
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import atomic, readers
+from eagle3_pipeline.core import atomic, readers
 from eagle3_pipeline.params import Params
 
 

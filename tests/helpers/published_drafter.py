@@ -257,7 +257,7 @@ def proof(root: Path, n_samples: int = 16, steps: int = 30) -> dict[str, float]:
 if __name__ == "__main__":
     import tempfile
 
-    from eagle3_pipeline.progress import log  # noqa: F401 (package importable)
+    from eagle3_pipeline.core.progress import log  # noqa: F401 (package importable)
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

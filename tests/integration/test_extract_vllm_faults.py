@@ -13,7 +13,7 @@ import pytest
 from extract_fixtures import extract_params, write_tokenized
 from small_fs import mount_tmpfs
 
-from eagle3_pipeline import disk
+from eagle3_pipeline.core import disk
 from eagle3_pipeline.stages import extract
 
 

@@ -24,7 +24,7 @@ from drafter_fixtures import build_drafter, save_legacy_flat
 from safetensors.torch import load_file, save_file
 from verifiers import mla_server_spec
 
-from eagle3_pipeline.errors import ServerError
+from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.evaluation import offline
 from eagle3_pipeline.evaluation import online as oe
 from eagle3_pipeline.evaluation import verdict as rules

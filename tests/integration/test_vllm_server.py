@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from server_procs import TAG_VAR, tagged_pids, wait_none_tagged
 
-from eagle3_pipeline.errors import ServerError
+from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.serving.server import ServerSpec, serve
 
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import bench_extract  # noqa: E402
 import bench_generate  # noqa: E402
 
-from eagle3_pipeline.progress import Progress  # noqa: E402
+from eagle3_pipeline.core.progress import Progress  # noqa: E402
 
 
 @pytest.mark.parametrize("n", [1, 2, 8, 129])

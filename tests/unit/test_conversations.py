@@ -9,7 +9,7 @@ import pytest
 
 from eagle3_pipeline import prompt_files
 from eagle3_pipeline.conversations import Unusable, normalize, read
-from eagle3_pipeline.errors import DataError
+from eagle3_pipeline.core.errors import DataError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures/prompts"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from small_fs import enospc, small_tmpfs
 
-from eagle3_pipeline import disk
+from eagle3_pipeline.core import disk
 
 
 def test_a_full_disk_names_reason_mount_free_and_need(tmp_path: Path) -> None:

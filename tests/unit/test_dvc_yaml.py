@@ -50,7 +50,7 @@ def test_package_modules_count_as_deps(tmp_path: Path) -> None:
     )
     assert dvc_deps.imports(src) == {
         "eagle3_pipeline.training.checkpoints",
-        "eagle3_pipeline.paths",
+        "eagle3_pipeline.core.paths",
         "eagle3_pipeline.params",
     }
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from eagle3_pipeline import paths
+from eagle3_pipeline.core import paths
 
 REPO = Path(__file__).resolve().parents[2]
 # Paths the pipeline uses that are not DVC outputs or deps, and why.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from eagle3_pipeline import resume
+from eagle3_pipeline.core import resume
 
 
 def test_journal_ignores_and_cuts_torn_line(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from eagle3_pipeline import stage_deps
-from eagle3_pipeline.errors import ParamsError
+from eagle3_pipeline.core.errors import ParamsError
 from eagle3_pipeline.params import load_params
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3_pipeline import paths, stage_lock
+from eagle3_pipeline import stage_lock
+from eagle3_pipeline.core import paths
 
 REPO = Path(__file__).resolve().parents[2]
 EAGLE3 = str(Path(sys.executable).with_name("eagle3"))

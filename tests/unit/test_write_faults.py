@@ -14,7 +14,8 @@ import pytest
 import torch
 from small_fs import enospc, small_tmpfs
 
-from eagle3_pipeline import cli, disk, resume
+from eagle3_pipeline import cli
+from eagle3_pipeline.core import disk, resume
 
 
 @pytest.mark.parametrize("how", ["tmpfs", "injected"])

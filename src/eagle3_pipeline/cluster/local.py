@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from eagle3_pipeline import atomic, paths
 from eagle3_pipeline.cluster import netns as namespaces
-from eagle3_pipeline.errors import PipelineError
+from eagle3_pipeline.core import atomic, paths
+from eagle3_pipeline.core.errors import PipelineError
 
 STATE_DIR = paths.SCRATCH / "cluster"
 STATE = STATE_DIR / "local.json"

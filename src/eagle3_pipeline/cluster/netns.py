@@ -15,7 +15,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from eagle3_pipeline.errors import PipelineError
+from eagle3_pipeline.core.errors import PipelineError
 
 SUBNET = "10.213.{}.0/24"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3_pipeline import atomic, paths
+from eagle3_pipeline.core import atomic, paths
 
 RECORDS = paths.SCRATCH / "cluster" / "records"
 

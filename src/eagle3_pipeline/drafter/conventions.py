@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from eagle3_pipeline import readers
-from eagle3_pipeline.errors import CheckpointError
+from eagle3_pipeline.core import readers
+from eagle3_pipeline.core.errors import CheckpointError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
 

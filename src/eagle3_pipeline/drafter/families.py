@@ -116,7 +116,7 @@ class FamilyParams(BaseModel):
 def entry(families: dict[str, FamilyParams], name: str) -> FamilyParams:
     """The `families` entry NAME (`--family NAME`), or one line naming the entries there are."""
     if name not in families:
-        from eagle3_pipeline.errors import ParamsError
+        from eagle3_pipeline.core.errors import ParamsError
 
         raise ParamsError(
             f"params.yaml: field 'families': no entry {name!r} (entries: "

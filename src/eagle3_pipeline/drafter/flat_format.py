@@ -50,13 +50,13 @@ from typing import Any, Literal
 
 import torch
 
+from eagle3_pipeline.core.errors import CheckpointError
 from eagle3_pipeline.drafter.conventions import (  # noqa: F401 (re-exported)
     FLAGS,
     Convention,
     read_conventions,
     vllm_layer_ids,
 )
-from eagle3_pipeline.errors import CheckpointError
 
 FLAT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 Server = Literal["vllm", "sglang"]

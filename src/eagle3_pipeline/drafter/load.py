@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle3_pipeline.core.errors import CheckpointError
 from eagle3_pipeline.drafter import flat_format
 from eagle3_pipeline.drafter.conventions import (
     FLAGS,
@@ -24,7 +25,6 @@ from eagle3_pipeline.drafter.conventions import (
     read_conventions,
 )
 from eagle3_pipeline.drafter.flex_kernel import flex_attention_main_kernel
-from eagle3_pipeline.errors import CheckpointError
 
 
 def compute_placement() -> tuple[torch.device, torch.dtype]:

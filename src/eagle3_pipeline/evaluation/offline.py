@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from eagle3_pipeline.errors import VerifierError
+from eagle3_pipeline.core.errors import VerifierError
 from eagle3_pipeline.evaluation import acceptance
 
 

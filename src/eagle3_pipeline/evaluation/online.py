@@ -23,11 +23,11 @@ from typing import Any
 
 import requests
 
-from eagle3_pipeline.errors import ServerError
+from eagle3_pipeline.core.errors import ServerError
+from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.evaluation import draft_sweep, speedup
 from eagle3_pipeline.evaluation import losslessness as lossless
 from eagle3_pipeline.evaluation.acceptance import served_acceptance
-from eagle3_pipeline.progress import log
 from eagle3_pipeline.serving.chat import (
     ChatClient,
     ChatReply,

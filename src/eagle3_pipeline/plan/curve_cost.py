@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import paths
+from eagle3_pipeline.core import paths
 from eagle3_pipeline.evaluation import learning_curve as lc
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.plan import modes, nodes

@@ -80,7 +80,7 @@ def _templated_prompt_tokens(params: Params, source: Path) -> tuple[int, int] | 
     verifier's own chat template (its default system prompt included) and tokenized; or why not.
     """
     from eagle3_pipeline import chat_template, conversations
-    from eagle3_pipeline.errors import PipelineError
+    from eagle3_pipeline.core.errors import PipelineError
     from eagle3_pipeline.verifier import loading
 
     if not (Path(params.verifier.path) / "tokenizer_config.json").is_file():

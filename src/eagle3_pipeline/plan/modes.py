@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from eagle3_pipeline.errors import ParamsError
+from eagle3_pipeline.core.errors import ParamsError
 from eagle3_pipeline.params import Params
 
 MODES = ("store", "online")

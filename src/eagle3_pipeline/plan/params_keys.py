@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from eagle3_pipeline.errors import ParamsError
+from eagle3_pipeline.core.errors import ParamsError
 
 DVC_YAML = Path("dvc.yaml")
 PARAMS_FILE = "params.yaml"  # the file DVC reads params and ${...} values from by default

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eagle3_pipeline import paths
+from eagle3_pipeline.core import paths
 from eagle3_pipeline.plan import memory, modes, nodes
 from eagle3_pipeline.plan.plan import Plan
 

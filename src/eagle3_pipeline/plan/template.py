@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.errors import VerifierError
+from eagle3_pipeline.core.errors import VerifierError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.verifier import loading
 

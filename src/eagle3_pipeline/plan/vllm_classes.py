@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import atomic
-from eagle3_pipeline.errors import ServerError
+from eagle3_pipeline.core import atomic
+from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.plan.template import one_line
 
 

@@ -15,8 +15,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import atomic
-from eagle3_pipeline.errors import PipelineError
+from eagle3_pipeline.core import atomic
+from eagle3_pipeline.core.errors import PipelineError
 from eagle3_pipeline.evaluation import speedup
 from eagle3_pipeline.report import comparison, render, series, sources
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from dvc_render.vega_templates import get_template
 
-from eagle3_pipeline import atomic
+from eagle3_pipeline.core import atomic
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eagle3_pipeline import paths
+from eagle3_pipeline.core import paths
 
 SERIES_DIR = paths.METRICS / "report"
 NAMES = ("acceptance", "throughput", "durations", "store_size", "bytes_per_token")

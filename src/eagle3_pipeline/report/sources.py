@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from eagle3_pipeline import paths
-from eagle3_pipeline.errors import DataError
+from eagle3_pipeline.core import paths
+from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.report import series
 
 WORKSPACE = "workspace"  # DVC's name for the working tree

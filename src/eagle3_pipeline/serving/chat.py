@@ -17,8 +17,8 @@ from typing import Any
 
 import requests
 
-from eagle3_pipeline.errors import ServerError
-from eagle3_pipeline.progress import log
+from eagle3_pipeline.core.errors import ServerError
+from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.serving import auth
 
 CONNECT_TIMEOUT_S = 10.0

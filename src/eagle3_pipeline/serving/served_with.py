@@ -12,8 +12,8 @@ import os
 import re
 from pathlib import Path
 
-from eagle3_pipeline.errors import ServerError
-from eagle3_pipeline.progress import log
+from eagle3_pipeline.core.errors import ServerError
+from eagle3_pipeline.core.progress import log
 
 
 def served_with(log_text: str) -> dict[str, str]:

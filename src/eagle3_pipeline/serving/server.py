@@ -32,9 +32,9 @@ from typing import Any
 
 import requests
 
-from eagle3_pipeline import paths
-from eagle3_pipeline.errors import ServerError
-from eagle3_pipeline.progress import log
+from eagle3_pipeline.core import paths
+from eagle3_pipeline.core.errors import ServerError
+from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.serving import auth
 
 

@@ -19,14 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import atomic, paths, readers, split
+from eagle3_pipeline import split
+from eagle3_pipeline.core import atomic, paths, readers
+from eagle3_pipeline.core.errors import DataError, StoreError
+from eagle3_pipeline.core.progress import Progress, log
 from eagle3_pipeline.drafter import load as drafter
 from eagle3_pipeline.drafter.conventions import run_conventions
-from eagle3_pipeline.errors import DataError, StoreError
 from eagle3_pipeline.evaluation import learning_curve as lc
 from eagle3_pipeline.evaluation import offline
 from eagle3_pipeline.params import Params
-from eagle3_pipeline.progress import Progress, log
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.verifier import identity as vf
 

@@ -30,11 +30,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3_pipeline import atomic, disk, paths, readers, resume
-from eagle3_pipeline.errors import StoreError
+from eagle3_pipeline.core import atomic, disk, paths, readers, resume
+from eagle3_pipeline.core.errors import StoreError
+from eagle3_pipeline.core.progress import Progress, log
 from eagle3_pipeline.extraction import open_backend, token_budget_batches
 from eagle3_pipeline.params import Params
-from eagle3_pipeline.progress import Progress, log
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.store import names
 from eagle3_pipeline.verifier import identity as vf

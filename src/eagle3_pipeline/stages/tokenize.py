@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from eagle3_pipeline import atomic, chat_template, paths, readers
-from eagle3_pipeline.errors import DataError
+from eagle3_pipeline import chat_template
+from eagle3_pipeline.core import atomic, paths, readers
+from eagle3_pipeline.core.errors import DataError
+from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.params import Params
-from eagle3_pipeline.progress import log
 from eagle3_pipeline.verifier import loading
 
 STAGE = "tokenize"

@@ -31,14 +31,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_pipeline import atomic, disk, paths, readers, resume, split
+from eagle3_pipeline import split
 from eagle3_pipeline.cluster import online as cluster_online
+from eagle3_pipeline.core import atomic, disk, paths, readers, resume
+from eagle3_pipeline.core.errors import ParamsError, StoreError
+from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.drafter import families, mask_token
 from eagle3_pipeline.drafter.conventions import RunConventions, run_conventions
 from eagle3_pipeline.drafter.families import FamilyParams
-from eagle3_pipeline.errors import ParamsError, StoreError
 from eagle3_pipeline.params import Params
-from eagle3_pipeline.progress import log
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.training import online
 from eagle3_pipeline.training.checkpoints import (

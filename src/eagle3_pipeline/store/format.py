@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from safetensors.torch import load, load_file, save
 
-from eagle3_pipeline import atomic
-from eagle3_pipeline.errors import StoreError
-from eagle3_pipeline.resume import file_sha256
+from eagle3_pipeline.core import atomic
+from eagle3_pipeline.core.errors import StoreError
+from eagle3_pipeline.core.resume import file_sha256
 from eagle3_pipeline.store.names import sample_filename
 from eagle3_pipeline.store.sizes import hidden_bytes_per_token
 from eagle3_pipeline.verifier.layer_ids import file_positions

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from eagle3_pipeline.errors import DataError
+from eagle3_pipeline.core.errors import DataError
 
 SUFFIX = ".safetensors"
 MAX_KEPT = 128  # longest id kept as its own file name

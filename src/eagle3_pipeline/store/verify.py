@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import paths, readers
-from eagle3_pipeline.errors import StoreError
+from eagle3_pipeline.core import paths, readers
+from eagle3_pipeline.core.errors import StoreError
+from eagle3_pipeline.core.progress import Progress, log
 from eagle3_pipeline.params import Params
-from eagle3_pipeline.progress import Progress, log
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.verifier import identity as vf
 from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids

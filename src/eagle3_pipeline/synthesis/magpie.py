@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eagle3_pipeline import chat_template
-from eagle3_pipeline.errors import VerifierError
+from eagle3_pipeline.core.errors import VerifierError
 from eagle3_pipeline.generation_rows import split_reasoning
 
 USER = "MagpieUserSentinelQz7"

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle3_pipeline import disk
-from eagle3_pipeline.atomic import atomic_write
+from eagle3_pipeline.core import disk
+from eagle3_pipeline.core.atomic import atomic_write
 from eagle3_pipeline.training.speculators_patches import check_version
 
 COMPLETE_MARKER = "checkpoint_complete.json"

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Literal, TypedDict
 
-from eagle3_pipeline.atomic import replace_dir
+from eagle3_pipeline.core.atomic import replace_dir
 
 
 class TrainingSample(TypedDict):

@@ -25,9 +25,9 @@ from typing import Any, Literal
 
 import torch
 
-from eagle3_pipeline import paths
+from eagle3_pipeline.core import paths
+from eagle3_pipeline.core.errors import CheckpointError
 from eagle3_pipeline.drafter.flat_format import FLAGS, DrafterCheckpoint, open_checkpoint
-from eagle3_pipeline.errors import CheckpointError
 from eagle3_pipeline.training.checkpoints import resume_epoch
 
 VOCAB_TENSORS = ("d2t", "t2d")

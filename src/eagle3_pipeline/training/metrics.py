@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import atomic
-from eagle3_pipeline.progress import log
+from eagle3_pipeline.core import atomic
+from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.training.checkpoints import resume_step
 
 METRICS_LOGGER = "speculators.metrics"

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from eagle3_pipeline.errors import CheckpointError
+from eagle3_pipeline.core.errors import CheckpointError
 from eagle3_pipeline.training.checkpoints import resume_epoch
 
 # drafter tensor -> verifier tensor (under the verifier's last layer prefix, or at the top)

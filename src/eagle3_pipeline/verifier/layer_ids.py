@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from eagle3_pipeline.errors import ParamsError, StoreError
+from eagle3_pipeline.core.errors import ParamsError, StoreError
 
 
 class _LayerChoice(Protocol):

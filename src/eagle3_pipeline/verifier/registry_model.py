@@ -23,9 +23,9 @@ import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle3_pipeline import atomic, paths
-from eagle3_pipeline.errors import VerifierError
-from eagle3_pipeline.progress import log
+from eagle3_pipeline.core import atomic, paths
+from eagle3_pipeline.core.errors import VerifierError
+from eagle3_pipeline.core.progress import log
 
 IDENTITY = "identity.json"
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3_pipeline import atomic
-from eagle3_pipeline.errors import DataError
+from eagle3_pipeline.core import atomic
+from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.params import TinyVerifierParams
 
 # DeepSeek-V3 text model, Kimi-K2.5's shape in miniature. vLLM's CPU MLA kernel needs

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3_pipeline.errors import ParamsError
+from eagle3_pipeline.core.errors import ParamsError
 from eagle3_pipeline.params import ClusterParams, load_params
 
 REPO = Path(__file__).resolve().parents[3]

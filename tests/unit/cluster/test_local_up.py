@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_pipeline.cluster import local
-from eagle3_pipeline.errors import PipelineError
+from eagle3_pipeline.core.errors import PipelineError
 
 FAKE_RAY = """\
 #!{python}

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from eagle3_pipeline.cluster import netns
-from eagle3_pipeline.errors import PipelineError
+from eagle3_pipeline.core.errors import PipelineError
 
 
 def test_layout_gives_each_node_its_own_address_and_names_linux_accepts() -> None:

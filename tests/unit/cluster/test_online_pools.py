@@ -6,7 +6,7 @@ import pytest
 
 from eagle3_pipeline.cluster import engine, torchrun
 from eagle3_pipeline.cluster import online as cluster_online
-from eagle3_pipeline.errors import ParamsError
+from eagle3_pipeline.core.errors import ParamsError
 from eagle3_pipeline.params import ClusterParams, Params
 from eagle3_pipeline.training.online import OnlineSource
 
@@ -185,7 +185,7 @@ def test_each_rank_takes_one_server_of_the_pool_round_robin(
 def test_a_server_found_gone_is_left_to_the_others_and_the_last_one_ends_the_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from eagle3_pipeline.errors import ServerError
+    from eagle3_pipeline.core.errors import ServerError
 
     servers = [OnlineSource(f"http://10.0.0.{i}:8000/v1", f"s{i}", "k") for i in (1, 2)]
     gone = {0: False, 1: False}
@@ -208,7 +208,7 @@ def test_a_server_found_gone_is_left_to_the_others_and_the_last_one_ends_the_run
 def test_the_master_s_node_lost_ends_the_run_naming_the_way_out(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from eagle3_pipeline.errors import ServerError
+    from eagle3_pipeline.core.errors import ServerError
 
     servers = [OnlineSource(f"http://10.0.0.{i}:8000/v1", f"s{i}", "k") for i in (1, 2)]
     record = {"vllm": [{"node": A.label}, {"node": B.label}], "mooncake_master": {"node": A.label}}

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_pipeline.core.errors import CheckpointError
 from eagle3_pipeline.drafter import conventions as conv
-from eagle3_pipeline.errors import CheckpointError
 from eagle3_pipeline.params import Params
 
 REPO = Path(__file__).resolve().parents[3]

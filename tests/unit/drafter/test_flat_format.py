@@ -11,8 +11,8 @@ import torch
 from drafter_fixtures import build_drafter, build_llama_verifier
 from safetensors.torch import load_file
 
+from eagle3_pipeline.core.errors import CheckpointError
 from eagle3_pipeline.drafter import flat_format as ff
-from eagle3_pipeline.errors import CheckpointError
 
 AUX = [2, 4, 5]
 DRAFT_IDS = list(range(3, 200))

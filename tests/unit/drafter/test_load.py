@@ -10,8 +10,8 @@ import torch
 from drafter_fixtures import build_drafter, build_llama_verifier
 from offline_hub import MESSAGE, UNREACHABLE_HUB_ID, forbid_hub
 
+from eagle3_pipeline.core.errors import CheckpointError
 from eagle3_pipeline.drafter import load as drafter
-from eagle3_pipeline.errors import CheckpointError
 
 AUX = [2, 4, 7]
 

@@ -9,8 +9,8 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
+from eagle3_pipeline.core.errors import ParamsError
 from eagle3_pipeline.drafter.mask_token import resolve_mask_token
-from eagle3_pipeline.errors import ParamsError
 
 WORDS = ["<eos>", "<think>", "<reserved_0>", "hello", "world"]
 

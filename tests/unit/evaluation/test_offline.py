@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle3_pipeline.errors import VerifierError
+from eagle3_pipeline.core.errors import VerifierError
 from eagle3_pipeline.evaluation import offline
 
 V = 5  # vocab = hidden size: lm_head is the identity, so greedy = argmax of the hidden state

@@ -11,7 +11,7 @@ import pytest
 from fake_openai import error, fake_servers, reply, row_id, sequence
 from online_runs import fake_run
 
-from eagle3_pipeline.errors import ServerError
+from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.evaluation import online as oe
 from eagle3_pipeline.evaluation.losslessness import TokenLogprobs
 from eagle3_pipeline.serving.server import ServerSpec

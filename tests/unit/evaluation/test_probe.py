@@ -21,7 +21,7 @@ from published_drafter import (
 )
 
 from eagle3_pipeline.cli import main
-from eagle3_pipeline.errors import ParamsError
+from eagle3_pipeline.core.errors import ParamsError
 from eagle3_pipeline.evaluation import probe
 
 N_SAMPLES = 12

@@ -10,7 +10,7 @@ import yaml
 from plan_cases import REPO
 
 from eagle3_pipeline.cli import main
-from eagle3_pipeline.errors import ParamsError
+from eagle3_pipeline.core.errors import ParamsError
 from eagle3_pipeline.params import load_params
 from eagle3_pipeline.plan import params_keys, plan
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from plan_cases import PROFILE, refused
 
-from eagle3_pipeline.errors import CheckpointError
+from eagle3_pipeline.core.errors import CheckpointError
 
 
 def test_init_config_missing(tmp_path: Path, capsys) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from extract_llama_case import AUX_IDS, N_LAYERS
 
-from eagle3_pipeline.errors import DataError
+from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.serving import hidden_states as vllm_extract
 
 

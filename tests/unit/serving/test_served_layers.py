@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.errors import ServerError
+from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.serving.served_with import aux_layers, check_aux_layers
 
 V1 = (

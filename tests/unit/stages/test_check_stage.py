@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3_pipeline import paths
 from eagle3_pipeline.cli import main
-from eagle3_pipeline.errors import ParamsError, VerifierError
+from eagle3_pipeline.core import paths
+from eagle3_pipeline.core.errors import ParamsError, VerifierError
 from eagle3_pipeline.params import load_params
 from eagle3_pipeline.plan import params_keys
 from eagle3_pipeline.stages import check

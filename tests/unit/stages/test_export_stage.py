@@ -12,8 +12,8 @@ import torch
 from drafter_fixtures import build_llama_verifier
 from export_repo import AUX, SPECFORGE_FLAGS, make_repo, params, run_export
 
+from eagle3_pipeline.core.errors import CheckpointError
 from eagle3_pipeline.drafter import load as drafter
-from eagle3_pipeline.errors import CheckpointError
 from eagle3_pipeline.stages import export
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from extract_llama_case import AUX_IDS, make_params, write_tokenized
 
-from eagle3_pipeline.errors import DataError
+from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.stages import extract
 from eagle3_pipeline.stages.extract import token_budget_batches
 from eagle3_pipeline.store import format as store

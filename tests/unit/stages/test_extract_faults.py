@@ -19,8 +19,8 @@ import torch
 from extract_workdir import fake_backend, load_params, make_workdir
 from small_fs import enospc, resize, small_tmpfs
 
-from eagle3_pipeline import atomic, disk, resume
-from eagle3_pipeline.errors import StoreError
+from eagle3_pipeline.core import atomic, disk, resume
+from eagle3_pipeline.core.errors import StoreError
 from eagle3_pipeline.serving import hidden_states
 from eagle3_pipeline.stages import extract
 from eagle3_pipeline.store import format as store

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from extract_workdir import fake_backend, load_params, make_workdir, store_hashes
 
-from eagle3_pipeline import resume
+from eagle3_pipeline.core import resume
 from eagle3_pipeline.stages import extract
 from eagle3_pipeline.store import format as store
 
@@ -109,7 +109,7 @@ def test_preflight_refuses_when_the_disk_is_too_small(
 ) -> None:
     from collections import namedtuple
 
-    from eagle3_pipeline.errors import StoreError
+    from eagle3_pipeline.core.errors import StoreError
 
     prompts = make_workdir(tmp_path, tiny_verifier_dir, 20, 200, dtype="fp8")
     monkeypatch.chdir(tmp_path)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from extract_workdir import load_params, make_workdir, store_hashes
 
-from eagle3_pipeline import resume
+from eagle3_pipeline.core import resume
 from eagle3_pipeline.stages import extract
 
 N, BUDGET = 24, 300

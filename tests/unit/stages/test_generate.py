@@ -13,8 +13,9 @@ from fake_openai import DROP, error, fake_servers, reply, sequence
 from fake_openai import row_id as _row_id
 from generate_workspace import output_rows, prepare_rows, vllm_params
 
-from eagle3_pipeline import atomic, generation_rows, readers, resume
-from eagle3_pipeline.errors import ServerError
+from eagle3_pipeline import generation_rows
+from eagle3_pipeline.core import atomic, readers, resume
+from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving import server as vllm_server
 from eagle3_pipeline.serving.chat import ChatClient

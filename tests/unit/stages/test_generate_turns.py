@@ -8,7 +8,7 @@ from pathlib import Path
 from fake_openai import fake_servers, reply
 from generate_workspace import output_rows, vllm_params
 
-from eagle3_pipeline import atomic
+from eagle3_pipeline.core import atomic
 from eagle3_pipeline.stages import generate
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3_pipeline import readers
 from eagle3_pipeline.cli import main
 from eagle3_pipeline.conversations import Unusable, read
+from eagle3_pipeline.core import readers
 from eagle3_pipeline.stages.prepare import is_val
 
 REPO = Path(__file__).resolve().parents[3]
@@ -231,7 +231,7 @@ def test_a_folder_of_parquet_shards(tmp_path: Path, capsys) -> None:
 
 def test_rows_sorted_by_id_through_runs_on_disk(tmp_path: Path, monkeypatch, capsys) -> None:
     """More rows than one sort run holds: the output is the same as sorted in memory."""
-    from eagle3_pipeline import external_sort
+    from eagle3_pipeline.core import external_sort
 
     rows = [
         {"id": f"q{(i * 37) % 101}", "messages": [{"role": "user", "content": "x"}]}
@@ -264,7 +264,7 @@ def _given(root: Path, n: int) -> Path:
 
 def _synthesized(root: Path, n: int, count: int | None = None) -> list[str]:
     """data/synthesized in `root` as the synthesize stage writes it (n rows, made for count)."""
-    from eagle3_pipeline import atomic
+    from eagle3_pipeline.core import atomic
     from eagle3_pipeline.stages.synthesize import conversation_id
 
     convs = [[{"role": "user", "content": f"synthesized question {i}"}] for i in range(n)]

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3_pipeline.errors import StoreError
-from eagle3_pipeline.resume import file_sha256
+from eagle3_pipeline.core.errors import StoreError
+from eagle3_pipeline.core.resume import file_sha256
 from eagle3_pipeline.store import format as store
 
 LAYOUT = store.StoreLayout([2, 4, 5], 8, 16, "bf16", {"name_or_path": "v"})

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.errors import DataError
+from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.store.names import check_unique, sample_filename
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from templates import CHATML_DEFAULT_SYSTEM, CHATML_TOOLS, KIMI_MODEL_OPENS_THINK
 
-from eagle3_pipeline.errors import VerifierError
+from eagle3_pipeline.core.errors import VerifierError
 from eagle3_pipeline.synthesis import magpie
 from eagle3_pipeline.verifier import tiny
 

@@ -21,7 +21,7 @@ from drafter_fixtures import (
 )
 from safetensors.torch import load_file, save_file
 
-from eagle3_pipeline.errors import CheckpointError
+from eagle3_pipeline.core.errors import CheckpointError
 from eagle3_pipeline.training import init_from as di
 
 AUX = [2, 4, 5]  # ours (vLLM's); the legacy file writes [1, 3, 4] (SGLang's)

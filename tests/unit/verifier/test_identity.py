@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.errors import VerifierError
+from eagle3_pipeline.core.errors import VerifierError
 from eagle3_pipeline.params import load_params
 from eagle3_pipeline.verifier import identity as vf
 

@@ -31,7 +31,7 @@ def test_the_store_holds_the_union_of_every_drafters_layers() -> None:
 def test_a_familys_bad_ids_are_refused_naming_its_field() -> None:
     import pytest
 
-    from eagle3_pipeline.errors import ParamsError, StoreError
+    from eagle3_pipeline.core.errors import ParamsError, StoreError
     from eagle3_pipeline.params import LayersParams
     from eagle3_pipeline.verifier.layer_ids import file_positions, store_aux_layer_ids
 

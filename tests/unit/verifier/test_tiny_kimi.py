@@ -91,7 +91,7 @@ def test_checkpoint_uses_hub_names_and_head_matches_model(verifier: Path) -> Non
 
 def test_id_zero_is_refused_before_vllm_starts(verifier: Path) -> None:
     """vLLM's DeepSeek model crashes on aux id 0 (no residual yet); the stage says so first."""
-    from eagle3_pipeline.errors import VerifierError
+    from eagle3_pipeline.core.errors import VerifierError
     from eagle3_pipeline.serving import hidden_states as vllm_extract
 
     with pytest.raises(VerifierError, match="contains 0.*deepseek_v3"):

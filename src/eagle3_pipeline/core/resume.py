@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import disk, paths
+from eagle3_pipeline.core import disk, paths
 
 
 class Journal:

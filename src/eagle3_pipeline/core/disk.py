@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from eagle3_pipeline.errors import DiskError
+from eagle3_pipeline.core.errors import DiskError
 
 # Errors that mean "this filesystem cannot take the write", whatever wrote it.
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG}
