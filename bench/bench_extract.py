@@ -97,12 +97,12 @@ def bare_pass(llm, sampling, batches, rows) -> float:
 
 def plan(params_path: str, samples: int | None):
     """(params, store layout, rows by id, the stage's batches), as stages/extract.py makes them."""
+    from eagle3_pipeline.config.layer_ids import store_aux_layer_ids
+    from eagle3_pipeline.config.params import load_params
     from eagle3_pipeline.core import paths
     from eagle3_pipeline.extraction import token_budget_batches
-    from eagle3_pipeline.params import load_params
     from eagle3_pipeline.store import format as store
     from eagle3_pipeline.verifier import identity as vf
-    from eagle3_pipeline.verifier.layer_ids import store_aux_layer_ids
 
     params = load_params(params_path)
     n_layers, hidden, _ = vf.shape(vf.read_config(params.verifier.path))

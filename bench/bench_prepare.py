@@ -33,7 +33,7 @@ ANSWER = "Sure. " + "This is a fairly ordinary answer sentence of moderate lengt
 # (VmHWM: ru_maxrss would carry the bench's own peak across fork and exec).
 CHILD = """
 import re
-from eagle3_pipeline.params import load_params
+from eagle3_pipeline.config.params import load_params
 from eagle3_pipeline.stages import prepare
 def kb(field):
     return re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)

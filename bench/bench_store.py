@@ -31,7 +31,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from eagle3_pipeline.params import Params  # noqa: E402
+from eagle3_pipeline.config.params import Params  # noqa: E402
 from eagle3_pipeline.store import format as store  # noqa: E402
 
 RESULTS = REPO / "bench/results/store.json"

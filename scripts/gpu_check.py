@@ -406,7 +406,7 @@ def build_tiny_kimi_int4(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> d
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
-    from eagle3_pipeline.params import TinyVerifierParams
+    from eagle3_pipeline.config.params import TinyVerifierParams
     from eagle3_pipeline.verifier.tiny_kimi import build_kimi_like, save_kimi_like
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)

@@ -19,7 +19,7 @@ from eagle3_pipeline.core.errors import PipelineError
 from eagle3_pipeline.serving.server import vllm_env_defaults
 
 if TYPE_CHECKING:
-    from eagle3_pipeline.params import Params
+    from eagle3_pipeline.config.params import Params
 
 STAGES: dict[str, str] = {
     "check": "before any work: params.yaml holds every key dvc.yaml reads, the installed vLLM "
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _env_defaults()
     try:
-        from eagle3_pipeline.params import load_params
+        from eagle3_pipeline.config.params import load_params
 
         if args.stage == "fetch-model":
             from eagle3_pipeline.verifier import registry_model

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import paths
 from eagle3_pipeline.core.errors import DataError
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.verifier import loading
 from eagle3_pipeline.verifier.capture import LayerCapture, forward_hidden_states
 

@@ -29,9 +29,9 @@ from typing import Any
 
 import yaml
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import atomic, paths
 from eagle3_pipeline.core.errors import ParamsError
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving.served_with import served_in
 
 RECORD_DIR = paths.PROVENANCE

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from eagle3_pipeline.core.errors import ParamsError
 
 if TYPE_CHECKING:
-    from eagle3_pipeline.params import Params
+    from eagle3_pipeline.config.params import Params
 
 PKG = Path(__file__).resolve().parent
 PARAM_MARK = "# param: "

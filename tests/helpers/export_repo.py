@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from drafter_fixtures import build_drafter, mapping
 
-from eagle3_pipeline.params import Params
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.stages import export
 
 AUX = [2, 4, 7]  # 7: the last layer's input, so a drafter that reads it predicts the verifier

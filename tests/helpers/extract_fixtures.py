@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3_pipeline.params import Params
+from eagle3_pipeline.config.params import Params
 
 
 def extract_params(

@@ -8,7 +8,7 @@ from pathlib import Path
 from extract_fixtures import extract_params
 from extract_fixtures import write_tokenized as shared_write_tokenized
 
-from eagle3_pipeline.params import Params
+from eagle3_pipeline.config.params import Params
 
 AUX_IDS = [5, 0, 3]
 N_LAYERS = 8  # the tiny_verifier_dir fixture

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import resume
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.store import format as store
 
 AUX, FINAL = [2, 4, 5], 8

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import atomic, readers
-from eagle3_pipeline.params import Params
 
 
 def prepare_rows(root: Path, n: int) -> list[str]:

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from eagle3_pipeline.cli import main
-from eagle3_pipeline.params import load_params
+from eagle3_pipeline.config.params import load_params
 from eagle3_pipeline.plan import plan
 
 REPO = Path(__file__).resolve().parents[2]

@@ -208,7 +208,7 @@ def start_of_training(
 
 
 def run_params(verifier: Path, init_from: Path, aux: list[int], **train: Any) -> Any:
-    from eagle3_pipeline.params import Params
+    from eagle3_pipeline.config.params import Params
 
     return Params.model_validate(
         {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3_pipeline.params import Params
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.verifier import loading
 
 N_LAYERS = 3

@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def build_tiny_verifier(out: Path, **tiny: object) -> Path:
     """A small verifier built by the real verifier stage; `tiny` overrides its shape/training."""
-    from eagle3_pipeline.params import Params
+    from eagle3_pipeline.config.params import Params
     from eagle3_pipeline.verifier import tiny as stage
 
     shape = {
@@ -34,7 +34,7 @@ def build_tiny_verifier(out: Path, **tiny: object) -> Path:
 def build_tiny_dsv3_verifier(out: Path, **tiny: object) -> Path:
     """A small Kimi-K2.5-like verifier (DeepSeek-V3 MLA + MoE under text_config), as the
     tiny-dsv3 profile builds it, shrunk to seconds: 3 layers, hidden 64, 5 tiny training steps."""
-    from eagle3_pipeline.params import Params
+    from eagle3_pipeline.config.params import Params
     from eagle3_pipeline.verifier import tiny as stage
 
     shape = {

@@ -16,7 +16,7 @@ import pytest
 from train_workspace import tiny_settings
 from verifiers import mla_server_spec
 
-from eagle3_pipeline.drafter.families import FamilyParams
+from eagle3_pipeline.config.families import FamilyParams
 from eagle3_pipeline.evaluation import online as oe
 from eagle3_pipeline.serving.server import serve_many
 from eagle3_pipeline.training.run import initial_drafter

@@ -24,11 +24,11 @@ from drafter_fixtures import build_drafter, save_legacy_flat
 from safetensors.torch import load_file, save_file
 from verifiers import mla_server_spec
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.evaluation import offline
 from eagle3_pipeline.evaluation import online as oe
 from eagle3_pipeline.evaluation import verdict as rules
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving.served_with import check_aux_layers
 from eagle3_pipeline.serving.server import ServerSpec, serve_many
 from eagle3_pipeline.verifier import tiny as verifier_stage

@@ -15,7 +15,7 @@ from extract_fixtures import extract_params
 from extract_fixtures import write_tokenized as shared_write_tokenized
 from tiny_dsv3_case import AUX_IDS, N_LAYERS, load_hf
 
-from eagle3_pipeline.params import Params
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.stages import extract
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.verifier import identity as vf

@@ -46,12 +46,12 @@ def test_package_modules_count_as_deps(tmp_path: Path) -> None:
     src.write_text(
         "from eagle3_pipeline.training import checkpoints\n"
         "from eagle3_pipeline import paths\n"
-        "from eagle3_pipeline.params import Params\n"
+        "from eagle3_pipeline.config.params import Params\n"
     )
     assert dvc_deps.imports(src) == {
         "eagle3_pipeline.training.checkpoints",
         "eagle3_pipeline.core.paths",
-        "eagle3_pipeline.params",
+        "eagle3_pipeline.config.params",
     }
 
 

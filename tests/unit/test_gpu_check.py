@@ -38,7 +38,7 @@ def test_refuses_without_cuda() -> None:
 def test_pipeline_params_are_valid_bf16_and_online(name: str) -> None:
     import yaml
 
-    from eagle3_pipeline.params import Params
+    from eagle3_pipeline.config.params import Params
 
     profile = gc.PIPELINES[name]["profile"]
     base = yaml.safe_load((REPO / f"profiles/{profile}.yaml").read_text())
@@ -160,7 +160,7 @@ def test_plan_names_every_check_and_its_config(capsys) -> None:
 
 
 def test_one_gpu_plans_tp1_and_one_rank() -> None:
-    from eagle3_pipeline.params import Params
+    from eagle3_pipeline.config.params import Params
 
     mla = gc.pipeline_params("mla", 1)
     assert mla["train"]["nproc"] == 1
@@ -238,7 +238,7 @@ def test_tiny_int4_kimi_builds_on_cpu_as_kimi_is_laid_out(tmp_path: Path) -> Non
 
 
 def test_without_vllm_extract_is_hf_and_the_drafter_is_judged_offline() -> None:
-    from eagle3_pipeline.params import Params
+    from eagle3_pipeline.config.params import Params
 
     for name in gc.PIPELINES:
         params = Params.model_validate(gc.pipeline_params(name, 1, vllm=False))

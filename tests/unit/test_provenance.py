@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from eagle3_pipeline import provenance
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import ParamsError
-from eagle3_pipeline.params import Params
 
 REPO = Path(__file__).resolve().parents[2]
 

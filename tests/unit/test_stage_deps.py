@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from eagle3_pipeline import stage_deps
+from eagle3_pipeline.config.params import load_params
 from eagle3_pipeline.core.errors import ParamsError
-from eagle3_pipeline.params import load_params
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))

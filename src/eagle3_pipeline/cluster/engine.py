@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.cluster.local import auth_env, read_state
+from eagle3_pipeline.config.params import ClusterParams
 from eagle3_pipeline.core.errors import PipelineError
-from eagle3_pipeline.params import ClusterParams
 
 # What a worker's command inherits from the driver: the run's settings, never credentials.
 # Ray's errors for a task whose node is gone (died under it, or gone before it could start).

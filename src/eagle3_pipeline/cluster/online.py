@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eagle3_pipeline.cluster import engine
+from eagle3_pipeline.config.params import ClusterParams, OnlineParams, Params
 from eagle3_pipeline.core.errors import ParamsError, ServerError
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.params import ClusterParams, OnlineParams, Params
 from eagle3_pipeline.serving import auth
 from eagle3_pipeline.serving.server import cpu_worker_in_engine_core
 from eagle3_pipeline.training.online import ENDPOINTS_VAR, OnlineSource

@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 
 from eagle3_pipeline.cluster import engine
+from eagle3_pipeline.config.params import ClusterParams
 from eagle3_pipeline.core.errors import PipelineError
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.params import ClusterParams
 
 
 def run_shards(stage: str, params_path: str, c: ClusterParams) -> dict:

@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from eagle3_pipeline.cluster import engine
+from eagle3_pipeline.config.params import ClusterParams
 from eagle3_pipeline.core.errors import PipelineError
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.params import ClusterParams
 
 STAGE = "train"
 # After one agent ended badly, how long the others get to end by themselves (a broken collective

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from eagle3_pipeline.config.layer_ids import resolve_layer_ids
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import readers
 from eagle3_pipeline.core.errors import CheckpointError
-from eagle3_pipeline.params import Params
-from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
 
 Convention = Literal["vllm", "sglang"]
 FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")

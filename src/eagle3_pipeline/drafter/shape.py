@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import CheckpointError
 from eagle3_pipeline.drafter.conventions import RunConventions, read_conventions
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.verifier import identity as vf
 
 

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 from eagle3_pipeline.evaluation.acceptance import served_acceptance
 
 if TYPE_CHECKING:
+    from eagle3_pipeline.config.params import EvaluateParams
     from eagle3_pipeline.evaluation.offline import Simulation
     from eagle3_pipeline.evaluation.online import RunResult
-    from eagle3_pipeline.params import EvaluateParams
 
 
 def row(baseline: RunResult, run: RunResult, timing: Mapping[str, Any], k: int) -> dict[str, Any]:

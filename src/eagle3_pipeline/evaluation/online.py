@@ -59,7 +59,7 @@ class Settings:
     served_model_name: str = SERVED_NAME
     # per generated token, for the losslessness verdict; 0: none asked (the timing rounds)
     top_logprobs: int = 5
-    near_tie_nats: float = 0.1  # evaluate.near_tie_nats (params.py)
+    near_tie_nats: float = 0.1  # evaluate.near_tie_nats (config/params.py)
     # evaluate.throughput_concurrency: the pair timed again in rounds at these concurrencies
     throughput_concurrency: tuple[int, ...] = ()
     speedup_rounds: int = 5  # evaluate.speedup_rounds: paired rounds per concurrency

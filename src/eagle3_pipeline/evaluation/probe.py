@@ -19,16 +19,16 @@ from typing import Any
 
 import torch
 
+from eagle3_pipeline.config.layer_ids import resolve_layer_ids
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import paths, readers
 from eagle3_pipeline.core.errors import DataError, ParamsError
 from eagle3_pipeline.core.progress import Progress, log
 from eagle3_pipeline.drafter import load as drafter_load
 from eagle3_pipeline.evaluation import offline
 from eagle3_pipeline.extraction import open_backend, token_budget_batches
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.verifier import identity as vf
-from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
 
 STAGE = "probe-layers"
 WORK_DIR = paths.SCRATCH / "probe"

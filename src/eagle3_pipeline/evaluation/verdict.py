@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import paths
 from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.evaluation import draft_sweep, speedup
 from eagle3_pipeline.evaluation.losslessness import Verdict
-from eagle3_pipeline.params import Params
 
 STAGE = "evaluate"
 MISMATCH_CAUSES = (

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import paths
 from eagle3_pipeline.evaluation import learning_curve as lc
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.plan import modes, nodes
 
 

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.drafter.shape import DrafterShape, ParamGroup
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.store import sizes
 from eagle3_pipeline.synthesis.mix import mix_counts
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import readers
 from eagle3_pipeline.core.errors import VerifierError
 from eagle3_pipeline.drafter.conventions import read_init_config
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.verifier import identity as vf
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.drafter.shape import DrafterShape, ParamGroup
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.verifier import identity as vf
 
 GIB = 1 << 30

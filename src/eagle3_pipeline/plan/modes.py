@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import ParamsError
-from eagle3_pipeline.params import Params
 
 MODES = ("store", "online")
 _COUNT = re.compile(r"(\d+(?:\.\d+)?)([kmbt]?)")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from eagle3_pipeline.params import Params
+from eagle3_pipeline.config.params import Params
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ def missing_keys(raw: dict[str, Any], keys: list[str]) -> list[str]:
 def _default(key: str) -> str | None:
     """The schema's value for `key`, as one YAML flow item (a section: `{}`, whose keys the
     schema fills); None where the schema has no such key."""
-    from eagle3_pipeline.params import Params
+    from eagle3_pipeline.config.params import Params
 
     node: Any = Params().model_dump(mode="json")
     for part in key.split("."):

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3_pipeline.config.layer_ids import resolve_layer_ids, store_aux_layer_ids
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.drafter import conventions as conv
 from eagle3_pipeline.drafter.shape import (
     DrafterShape,
@@ -21,7 +23,6 @@ from eagle3_pipeline.drafter.shape import (
     drafter_from_verifier,
     parameter_groups,
 )
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.plan import (
     checks,
     curve_cost,
@@ -34,7 +35,6 @@ from eagle3_pipeline.plan import (
 )
 from eagle3_pipeline.plan import support as vsupport
 from eagle3_pipeline.verifier import identity as vf
-from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids, store_aux_layer_ids
 
 
 @dataclass

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import paths
 from eagle3_pipeline.core.errors import ParamsError, PipelineError, VerifierError
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.plan.template import TemplateSupport, check_chat_template, one_line
 from eagle3_pipeline.plan.vllm_classes import VllmRegistry
 from eagle3_pipeline.plan.vllm_needs import (

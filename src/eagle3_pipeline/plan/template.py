@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import VerifierError
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.verifier import loading
 
 TINY_TEMPLATE = "the project's own (verifier/tiny.py)"

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import VerifierError
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.verifier import identity as vf
 from eagle3_pipeline.verifier import loading
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import paths, readers
 from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.evaluation import speedup
-from eagle3_pipeline.params import Params
 
 HEAD = (
     "drafter",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3_pipeline.params import Params
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.serving.hidden_states import (
     check_layer_ids,
     connector_config,

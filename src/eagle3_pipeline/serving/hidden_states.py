@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import DataError, VerifierError
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving import cpu_patches
 from eagle3_pipeline.serving.server import patch_cpu_kernel_rebind, server_env
 from eagle3_pipeline.serving.server_spec import model_args

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.params import Params
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.serving.server import ServerSpec
 from eagle3_pipeline.verifier import identity as vf
 

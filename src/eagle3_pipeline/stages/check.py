@@ -18,9 +18,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from eagle3_pipeline.config.params import DEFAULT_PARAMS, Params
 from eagle3_pipeline.core import atomic, paths
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.params import DEFAULT_PARAMS, Params
 from eagle3_pipeline.plan import params_keys, support
 from eagle3_pipeline.verifier import identity as vf
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline import split
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import atomic, paths, readers
 from eagle3_pipeline.core.errors import DataError, StoreError
 from eagle3_pipeline.core.progress import Progress, log
@@ -27,7 +28,6 @@ from eagle3_pipeline.drafter import load as drafter
 from eagle3_pipeline.drafter.conventions import run_conventions
 from eagle3_pipeline.evaluation import learning_curve as lc
 from eagle3_pipeline.evaluation import offline
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.verifier import identity as vf
 

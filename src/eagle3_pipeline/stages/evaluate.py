@@ -22,17 +22,17 @@ from typing import Any
 
 import torch
 
+from eagle3_pipeline.config import families
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import atomic, paths, readers
 from eagle3_pipeline.core.errors import DataError, ParamsError, StoreError
 from eagle3_pipeline.core.progress import Progress, log
-from eagle3_pipeline.drafter import families
 from eagle3_pipeline.drafter import load as drafter
 from eagle3_pipeline.drafter.conventions import run_conventions
 from eagle3_pipeline.evaluation import draft_sweep, offline, parallel_offline
 from eagle3_pipeline.evaluation import online as online_eval
 from eagle3_pipeline.evaluation.losslessness import Verdict
 from eagle3_pipeline.evaluation.verdict import online_verdict, require_lossless
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving import served_with
 from eagle3_pipeline.serving.server_spec import verifier_spec
 from eagle3_pipeline.store import format as store

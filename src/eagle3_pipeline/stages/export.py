@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import atomic, paths
 from eagle3_pipeline.core.errors import CheckpointError, ParamsError
 from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.drafter import flat_format
 from eagle3_pipeline.drafter import load as drafter
 from eagle3_pipeline.drafter.conventions import FLAGS, run_conventions
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.verifier import identity as vf
 
 STAGE = "export"

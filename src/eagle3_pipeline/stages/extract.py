@@ -30,15 +30,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eagle3_pipeline.config.layer_ids import store_aux_layer_ids
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import atomic, disk, paths, readers, resume
 from eagle3_pipeline.core.errors import StoreError
 from eagle3_pipeline.core.progress import Progress, log
 from eagle3_pipeline.extraction import open_backend, token_budget_batches
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.store import names
 from eagle3_pipeline.verifier import identity as vf
-from eagle3_pipeline.verifier.layer_ids import store_aux_layer_ids
 
 if TYPE_CHECKING:
     import torch

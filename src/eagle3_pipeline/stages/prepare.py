@@ -33,10 +33,10 @@ from typing import IO
 import numpy as np
 
 from eagle3_pipeline import conversations
+from eagle3_pipeline.config.params import Params, PrepareParams
 from eagle3_pipeline.core import atomic, external_sort, paths, readers
 from eagle3_pipeline.core.errors import DataError, ParamsError
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.params import Params, PrepareParams
 from eagle3_pipeline.prompt_files import Where
 from eagle3_pipeline.store import names
 from eagle3_pipeline.synthesis.mix import mix_counts

@@ -33,10 +33,10 @@ from collections import Counter
 from typing import Any
 
 from eagle3_pipeline import stage_deps
+from eagle3_pipeline.config.params import Params, SynthesizeParams
 from eagle3_pipeline.core import atomic, paths, resume
 from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.core.progress import Progress, log
-from eagle3_pipeline.params import Params, SynthesizeParams
 from eagle3_pipeline.synthesis import filters, magpie
 from eagle3_pipeline.synthesis import sampler as samplers
 from eagle3_pipeline.synthesis.near_duplicates import NearDuplicates

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections import Counter
 
 from eagle3_pipeline import chat_template
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import atomic, paths, readers
 from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.verifier import loading
 
 STAGE = "tokenize"

@@ -33,13 +33,14 @@ from pathlib import Path
 
 from eagle3_pipeline import split
 from eagle3_pipeline.cluster import online as cluster_online
+from eagle3_pipeline.config import families
+from eagle3_pipeline.config.families import FamilyParams
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import atomic, disk, paths, readers, resume
 from eagle3_pipeline.core.errors import ParamsError, StoreError
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.drafter import families, mask_token
+from eagle3_pipeline.drafter import mask_token
 from eagle3_pipeline.drafter.conventions import RunConventions, run_conventions
-from eagle3_pipeline.drafter.families import FamilyParams
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.training import online
 from eagle3_pipeline.training.checkpoints import (

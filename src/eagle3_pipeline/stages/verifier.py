@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import atomic, paths
 from eagle3_pipeline.core.errors import ParamsError
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.verifier import identity as vf
 from eagle3_pipeline.verifier.tiny import build_tiny
 

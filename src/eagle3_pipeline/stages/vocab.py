@@ -11,10 +11,10 @@ import json
 
 import numpy as np
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import atomic, paths
 from eagle3_pipeline.core.errors import DataError, ParamsError
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.verifier import identity as vf
 
 STAGE = "vocab"

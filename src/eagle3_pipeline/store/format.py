@@ -28,12 +28,12 @@ from typing import Any
 import torch
 from safetensors.torch import load, load_file, save
 
+from eagle3_pipeline.config.layer_ids import file_positions
 from eagle3_pipeline.core import atomic
 from eagle3_pipeline.core.errors import StoreError
 from eagle3_pipeline.core.resume import file_sha256
 from eagle3_pipeline.store.names import sample_filename
 from eagle3_pipeline.store.sizes import hidden_bytes_per_token
-from eagle3_pipeline.verifier.layer_ids import file_positions
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1

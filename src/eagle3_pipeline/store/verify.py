@@ -13,13 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.config.layer_ids import resolve_layer_ids
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import paths, readers
 from eagle3_pipeline.core.errors import StoreError
 from eagle3_pipeline.core.progress import Progress, log
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.verifier import identity as vf
-from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
 
 TOKENIZED_DIR = paths.TOKENIZED
 MAX_LISTED = 20  # files named in a report; the rest are counted

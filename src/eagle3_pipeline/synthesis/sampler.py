@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from eagle3_pipeline import generation_rows
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.verifier import identity as vf
 from eagle3_pipeline.verifier import loading
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eagle3_pipeline.drafter.families import FamilyParams
+from eagle3_pipeline.config.families import FamilyParams
 
 
 def trainer_flags(family: FamilyParams, mask_token_id: int | None) -> dict[str, Any]:

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from eagle3_pipeline.config.params import OnlineParams, Params
 from eagle3_pipeline.core.errors import DataError, ServerError, VerifierError
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.params import OnlineParams, Params
 from eagle3_pipeline.serving import auth
 from eagle3_pipeline.serving.chat import API_KEY_VAR
 from eagle3_pipeline.training.online_backend import speculators_flags as backend_flags

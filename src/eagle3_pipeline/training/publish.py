@@ -7,9 +7,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3_pipeline.config.families import FamilyParams
 from eagle3_pipeline.core import atomic, paths
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.drafter.families import FamilyParams
 from eagle3_pipeline.training.checkpoints import best_checkpoint
 from eagle3_pipeline.training.metrics import read_summary, simulated_tau
 

@@ -27,9 +27,9 @@ from typing import Any, Literal
 
 import torch
 
+from eagle3_pipeline.config.families import FamilyParams
+from eagle3_pipeline.config.params import TrainParams
 from eagle3_pipeline.drafter.conventions import RunConventions
-from eagle3_pipeline.drafter.families import FamilyParams
-from eagle3_pipeline.params import TrainParams
 from eagle3_pipeline.serving.chat import API_KEY_VAR
 from eagle3_pipeline.training import layer_view
 from eagle3_pipeline.training.checkpoints import discard_incomplete, exact_resume

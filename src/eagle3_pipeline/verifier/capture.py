@@ -1,7 +1,7 @@
 """Forward hooks on the transformers verifier: the residual stream at the layer ids asked for.
 
 The `hf` extract backend and tests that hold vLLM's hidden states against transformers use it;
-ids follow the project's convention (verifier/layer_ids.py).
+ids follow the project's convention (config/layer_ids.py).
 """
 
 from __future__ import annotations

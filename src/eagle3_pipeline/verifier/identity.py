@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import VerifierError
-from eagle3_pipeline.params import Params
 
 _NESTED_KEYS = ("text_config", "language_model", "llm_config")
 

@@ -5,8 +5,8 @@ Weights are always read from `verifier.path`; `trust_remote_code` only when para
 
 from __future__ import annotations
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import VerifierError
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.verifier.identity import (
     check_remote_code,
     is_multimodal_wrapper,

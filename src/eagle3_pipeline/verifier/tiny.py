@@ -11,10 +11,10 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from eagle3_pipeline.config.params import Params, TinyVerifierParams
 from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.core.progress import Progress, log
 from eagle3_pipeline.core.readers import read_jsonl
-from eagle3_pipeline.params import Params, TinyVerifierParams
 from eagle3_pipeline.verifier.tiny_kimi import build_kimi_like, save_kimi_like
 
 STAGE = "verifier"  # progress lines read as the stage that builds it

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eagle3_pipeline.config.params import TinyVerifierParams
 from eagle3_pipeline.core import atomic
 from eagle3_pipeline.core.errors import DataError
-from eagle3_pipeline.params import TinyVerifierParams
 
 # DeepSeek-V3 text model, Kimi-K2.5's shape in miniature. vLLM's CPU MLA kernel needs
 # kv_lora_rank + qk_rope_head_dim == 576, so those two keep DeepSeek-V3's real values; the MoE

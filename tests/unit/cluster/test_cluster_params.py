@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eagle3_pipeline.config.params import ClusterParams, load_params
 from eagle3_pipeline.core.errors import ParamsError
-from eagle3_pipeline.params import ClusterParams, load_params
 
 REPO = Path(__file__).resolve().parents[3]
 

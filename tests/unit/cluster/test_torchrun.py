@@ -7,8 +7,8 @@ from collections import deque
 import pytest
 
 from eagle3_pipeline.cluster import engine, torchrun
+from eagle3_pipeline.config.params import ClusterParams
 from eagle3_pipeline.core.errors import PipelineError
-from eagle3_pipeline.params import ClusterParams
 
 A = engine.Node("a" * 56, "10.0.0.1")
 B = engine.Node("b" * 56, "10.0.0.2")

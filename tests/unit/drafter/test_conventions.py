@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import CheckpointError
 from eagle3_pipeline.drafter import conventions as conv
-from eagle3_pipeline.params import Params
 
 REPO = Path(__file__).resolve().parents[3]
 AQ_MEDAI = json.loads((REPO / "tests/fixtures/aq-medai-kimi-k25-eagle3/config.json").read_text())

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import yaml
 
+from eagle3_pipeline.config.families import FamilyParams
+from eagle3_pipeline.config.params import Params, load_params
 from eagle3_pipeline.core.errors import ParamsError
 from eagle3_pipeline.drafter.conventions import resolve
-from eagle3_pipeline.drafter.families import FamilyParams
-from eagle3_pipeline.params import Params, load_params
 from eagle3_pipeline.stages.train import family_branch
 from eagle3_pipeline.training.family_flags import draft_model_class, trainer_flags
 

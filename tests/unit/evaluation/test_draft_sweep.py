@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from online_runs import fake_run
 
+from eagle3_pipeline.config.params import EvaluateParams, Params
 from eagle3_pipeline.evaluation import draft_sweep
 from eagle3_pipeline.evaluation import online as oe
 from eagle3_pipeline.evaluation.offline import AcceptanceCounts, Simulation
-from eagle3_pipeline.params import EvaluateParams, Params
 from eagle3_pipeline.serving.server import ServerSpec
 
 SETTINGS = oe.Settings(num_speculative_tokens=3, max_new_tokens=24, throughput_concurrency=(2,))

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from train_workspace import build_run_inputs, train_tiny
 
-from eagle3_pipeline.drafter.families import FamilyParams
+from eagle3_pipeline.config.families import FamilyParams
 from eagle3_pipeline.drafter.load import load_parallel_drafter
 from eagle3_pipeline.evaluation import offline, parallel_offline
 

@@ -10,8 +10,8 @@ import pytest
 from plan_cases import REPO
 
 from eagle3_pipeline.cli import main
+from eagle3_pipeline.config.params import Params, load_params
 from eagle3_pipeline.core.errors import VerifierError
-from eagle3_pipeline.params import Params, load_params
 from eagle3_pipeline.plan import support, template
 
 TEMPLATE = (

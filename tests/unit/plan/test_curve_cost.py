@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.evaluation import learning_curve as lc
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.plan import curve_cost
 
 FIT = lc.Fit(a=-9.0, b=0.7, k=3)

@@ -10,8 +10,8 @@ import yaml
 from plan_cases import REPO
 
 from eagle3_pipeline.cli import main
+from eagle3_pipeline.config.params import load_params
 from eagle3_pipeline.core.errors import ParamsError
-from eagle3_pipeline.params import load_params
 from eagle3_pipeline.plan import params_keys, plan
 
 DVC_YAML = REPO / "dvc.yaml"

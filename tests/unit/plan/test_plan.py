@@ -8,7 +8,7 @@ from pathlib import Path
 from plan_cases import KIMI_ARGS, PROFILE, REPO, kimi_plan
 
 from eagle3_pipeline.cli import main
-from eagle3_pipeline.params import Params, load_params
+from eagle3_pipeline.config.params import Params, load_params
 from eagle3_pipeline.plan import plan, report
 
 

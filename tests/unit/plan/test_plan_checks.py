@@ -9,8 +9,8 @@ import pytest
 from plan_cases import AQ_MEDAI, KIMI, KIMI_ARGS, PROFILE, init_config, profile, refused
 
 from eagle3_pipeline.cli import main
+from eagle3_pipeline.config.params import load_params
 from eagle3_pipeline.core.errors import CheckpointError, ParamsError, VerifierError
-from eagle3_pipeline.params import load_params
 from eagle3_pipeline.plan import plan
 
 

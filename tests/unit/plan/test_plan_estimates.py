@@ -7,7 +7,7 @@ from pathlib import Path
 
 from plan_cases import PROFILE
 
-from eagle3_pipeline.params import Params, load_params
+from eagle3_pipeline.config.params import Params, load_params
 from eagle3_pipeline.plan import estimates
 from eagle3_pipeline.store.format import StoreLayout
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from plan_cases import AQ_MEDAI, KIMI, PROFILE, kimi_plan
 
-from eagle3_pipeline.params import load_params
+from eagle3_pipeline.config.params import load_params
 from eagle3_pipeline.plan import checks, memory, plan, report
 
 

@@ -14,8 +14,8 @@ import pytest
 from plan_cases import AQ_MEDAI, KIMI, KIMI_ARGS, PROFILE, kimi_plan, profile
 
 from eagle3_pipeline.cli import main
+from eagle3_pipeline.config.params import load_params
 from eagle3_pipeline.core.errors import ParamsError
-from eagle3_pipeline.params import load_params
 from eagle3_pipeline.plan import modes, plan, report
 
 HIDDEN = json.loads(KIMI.read_text())["text_config"]["hidden_size"]  # 7,168

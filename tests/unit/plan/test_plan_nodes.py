@@ -9,7 +9,7 @@ import yaml
 from plan_cases import AQ_MEDAI, KIMI, KIMI_ARGS, REPO
 
 from eagle3_pipeline.cli import main
-from eagle3_pipeline.params import load_params
+from eagle3_pipeline.config.params import load_params
 from eagle3_pipeline.plan import nodes, plan, report
 
 FOUR_NODES = REPO / "profiles/kimi-k2.5-4nodes.yaml"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from plan_cases import AQ_MEDAI, KIMI, PROFILE
 
-from eagle3_pipeline.params import load_params
+from eagle3_pipeline.config.params import load_params
 from eagle3_pipeline.plan import plan, report
 
 

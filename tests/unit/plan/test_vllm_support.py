@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from plan_cases import KIMI, PROFILE, REPO, profile, refused
 
+from eagle3_pipeline.config.params import Params, load_params
 from eagle3_pipeline.core.errors import ParamsError, ServerError, VerifierError
-from eagle3_pipeline.params import Params, load_params
 from eagle3_pipeline.plan import support, vllm_classes, vllm_needs
 
 PRETRAINED = REPO / "profiles/pretrained.yaml"

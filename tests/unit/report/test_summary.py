@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from eagle3_pipeline import provenance
-from eagle3_pipeline.params import load_params
+from eagle3_pipeline.config.params import load_params
 from eagle3_pipeline.report import summary
 
 REPO = Path(__file__).resolve().parents[3]

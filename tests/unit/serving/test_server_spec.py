@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from online_runs import fake_run, write_val_prompts
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.evaluation import online as oe
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving import hidden_states
 from eagle3_pipeline.serving import server as vllm_server
 from eagle3_pipeline.serving.server import ServerSpec, command

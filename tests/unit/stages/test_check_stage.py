@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from eagle3_pipeline.cli import main
+from eagle3_pipeline.config.params import load_params
 from eagle3_pipeline.core import paths
 from eagle3_pipeline.core.errors import ParamsError, VerifierError
-from eagle3_pipeline.params import load_params
 from eagle3_pipeline.plan import params_keys
 from eagle3_pipeline.stages import check
 

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 from online_runs import fake_run, write_val_prompts
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import DataError, ServerError
 from eagle3_pipeline.evaluation import online as oe
 from eagle3_pipeline.evaluation import verdict as rules
 from eagle3_pipeline.evaluation.losslessness import TokenLogprobs
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving.server import ServerSpec
 from eagle3_pipeline.stages import evaluate
 

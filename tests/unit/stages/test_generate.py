@@ -14,9 +14,9 @@ from fake_openai import row_id as _row_id
 from generate_workspace import output_rows, prepare_rows, vllm_params
 
 from eagle3_pipeline import generation_rows
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import atomic, readers, resume
 from eagle3_pipeline.core.errors import ServerError
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving import server as vllm_server
 from eagle3_pipeline.serving.chat import ChatClient
 from eagle3_pipeline.stages import generate

@@ -20,9 +20,9 @@ from generate_workspace import prepare_rows, vllm_params
 
 from eagle3_pipeline.cluster import engine
 from eagle3_pipeline.cluster import record as cluster_record
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import paths
 from eagle3_pipeline.core.errors import ServerError
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.serving.chat import API_KEY_VAR
 from eagle3_pipeline.stages import generate
 

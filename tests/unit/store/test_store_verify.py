@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from eagle3_pipeline.cli import main as cli_main
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import StoreError
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.store import verify as store_verify
 

@@ -16,9 +16,9 @@ import yaml
 
 from eagle3_pipeline import conversations
 from eagle3_pipeline.cli import main
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import readers
 from eagle3_pipeline.core.errors import DataError
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.stages import synthesize
 from eagle3_pipeline.synthesis import sampler as samplers
 from eagle3_pipeline.verifier import tiny

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from train_workspace import tiny_settings, train_tiny
 
-from eagle3_pipeline.drafter.families import FamilyParams
+from eagle3_pipeline.config.families import FamilyParams
 from eagle3_pipeline.training.run import build_train_config
 
 MASK = 500  # an id no row of the tiny inputs holds (checked below)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from train_workspace import AUX_IDS, tiny_settings, train_tiny
 
-from eagle3_pipeline.drafter.families import FamilyParams
+from eagle3_pipeline.config.families import FamilyParams
 from eagle3_pipeline.training import layer_view
 from eagle3_pipeline.training.data import check_layer_count, write_training_data
 from eagle3_pipeline.training.run import build_train_config

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_pipeline.config.families import FamilyParams
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import paths
 from eagle3_pipeline.core.errors import ParamsError
-from eagle3_pipeline.drafter.families import FamilyParams
-from eagle3_pipeline.params import Params
 from eagle3_pipeline.stages.train import family_branch
 from eagle3_pipeline.training.publish import Outputs, comparable, twin_measures
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_pipeline.config.params import load_params
 from eagle3_pipeline.core.errors import VerifierError
-from eagle3_pipeline.params import load_params
 from eagle3_pipeline.verifier import identity as vf
 
 REPO = Path(__file__).resolve().parents[3]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 
 def test_default_layer_ids_resolve() -> None:
-    from eagle3_pipeline.params import LayersParams
-    from eagle3_pipeline.verifier.layer_ids import resolve_layer_ids
+    from eagle3_pipeline.config.layer_ids import resolve_layer_ids
+    from eagle3_pipeline.config.params import LayersParams
 
     assert resolve_layer_ids(LayersParams(), 8) == ([2, 4, 5], 8)
     assert resolve_layer_ids(LayersParams(), 61) == ([2, 30, 58], 61)
@@ -14,8 +14,8 @@ def test_default_layer_ids_resolve() -> None:
 def test_the_store_holds_the_union_of_every_drafters_layers() -> None:
     """Without families' own ids the store keeps train's ids as written (its files unchanged);
     with them, the union ascending (vLLM returns layers sorted: online mode serves it too)."""
-    from eagle3_pipeline.params import LayersParams
-    from eagle3_pipeline.verifier.layer_ids import file_positions, store_aux_layer_ids
+    from eagle3_pipeline.config.layer_ids import file_positions, store_aux_layer_ids
+    from eagle3_pipeline.config.params import LayersParams
 
     assert store_aux_layer_ids(LayersParams(aux_layer_ids=[5, 2, 4]), 8) == [5, 2, 4]
     same = LayersParams(aux_layer_ids=[2, 4, 5], family_aux_layer_ids={"d": [4, 2]})
@@ -31,9 +31,9 @@ def test_the_store_holds_the_union_of_every_drafters_layers() -> None:
 def test_a_familys_bad_ids_are_refused_naming_its_field() -> None:
     import pytest
 
+    from eagle3_pipeline.config.layer_ids import file_positions, store_aux_layer_ids
+    from eagle3_pipeline.config.params import LayersParams
     from eagle3_pipeline.core.errors import ParamsError, StoreError
-    from eagle3_pipeline.params import LayersParams
-    from eagle3_pipeline.verifier.layer_ids import file_positions, store_aux_layer_ids
 
     bad = LayersParams(aux_layer_ids=[2, 4, 5], family_aux_layer_ids={"dflash": [1, 8]})
     with pytest.raises(ParamsError, match=r"layers.family_aux_layer_ids.dflash \[8\] out of range"):

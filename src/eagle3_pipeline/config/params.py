@@ -12,10 +12,10 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
+from eagle3_pipeline.config.families import Families, FamilyParams
+from eagle3_pipeline.config.layer_ids import family_field, store_aux_layer_ids
 from eagle3_pipeline.core import paths
 from eagle3_pipeline.core.errors import ParamsError
-from eagle3_pipeline.drafter.families import Families, FamilyParams
-from eagle3_pipeline.verifier.layer_ids import family_field, store_aux_layer_ids
 
 DEFAULT_PARAMS = Path("params.yaml")
 
