@@ -415,7 +415,7 @@ def test_the_learning_curve_fits_nested_fractions(pipeline: Path) -> None:
         assert len(record["per_sample"]["drafts"]) == len(val)
     # Nested by the split hash: the rows of 0.25 are inside 0.5's, both inside train's.
     tokens = [json.loads(x) for x in (pipeline / "data/tokenized/train.jsonl").open()]
-    from eagle3_pipeline import split  # the code of the repo under test: same module
+    from eagle3_pipeline.conversations import split  # the code of the repo under test: same module
 
     inside = {
         f: {r["id"] for r in tokens if split.in_fraction(r["id"], f, 0.2)} for f in (0.25, 0.5)

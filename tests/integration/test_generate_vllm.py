@@ -22,8 +22,8 @@ from fake_openai import row_id as _row_id
 from generate_workspace import output_rows, prepare_rows, vllm_params
 from server_procs import TAG_VAR, tagged_pids, wait_none_tagged
 
-from eagle3_pipeline import chat_template, generation_rows
 from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.conversations import chat_template, generation_rows
 from eagle3_pipeline.core import resume
 from eagle3_pipeline.serving import chat as chat_client
 from eagle3_pipeline.serving import server as vllm_server

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from templates import CHATML_DEFAULT_SYSTEM, CHATML_TOOLS, KIMI_MODEL_OPENS_THINK
 
-from eagle3_pipeline import chat_template
+from eagle3_pipeline.conversations import chat_template
+from eagle3_pipeline.conversations.generation_rows import split_reasoning
 from eagle3_pipeline.core.errors import DataError
-from eagle3_pipeline.generation_rows import split_reasoning
 from eagle3_pipeline.stages.tokenize import tokenize_row
 
 AGENTIC = {

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline import prompt_files
-from eagle3_pipeline.conversations import Unusable, normalize, read
+from eagle3_pipeline.conversations import prompt_files
+from eagle3_pipeline.conversations.formats import Unusable, normalize, read
 from eagle3_pipeline.core.errors import DataError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures/prompts"

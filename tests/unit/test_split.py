@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eagle3_pipeline import split
+from eagle3_pipeline.conversations import split
 from eagle3_pipeline.stages.prepare import is_val
 
 IDS = [f"s{i:05d}" for i in range(4000)]

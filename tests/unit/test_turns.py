@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eagle3_pipeline import turns
+from eagle3_pipeline.conversations import turns
 
 CONV = {
     "id": "c1",

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3_pipeline import chat_template
 from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.conversations import chat_template
 from eagle3_pipeline.core.errors import CheckpointError, ParamsError, VerifierError
 from eagle3_pipeline.drafter.conventions import RunConventions
 from eagle3_pipeline.drafter.shape import DrafterShape

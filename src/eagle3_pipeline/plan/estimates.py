@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.conversations.synthesis_mix import mix_counts
 from eagle3_pipeline.drafter.shape import DrafterShape, ParamGroup
 from eagle3_pipeline.store import sizes
-from eagle3_pipeline.synthesis.mix import mix_counts
 
 # Average characters per token, used only to guess prompt length from prompt files.
 CHARS_PER_TOKEN = 4
@@ -79,14 +79,14 @@ def _templated_prompt_tokens(params: Params, source: Path) -> tuple[int, int] | 
     """(prompts, prompt tokens) as the server will see them: every prompt rendered with the
     verifier's own chat template (its default system prompt included) and tokenized; or why not.
     """
-    from eagle3_pipeline import chat_template, conversations
+    from eagle3_pipeline.conversations import chat_template, formats
     from eagle3_pipeline.core.errors import PipelineError
     from eagle3_pipeline.verifier import loading
 
     if not (Path(params.verifier.path) / "tokenizer_config.json").is_file():
         return f"no tokenizer in {params.verifier.path}"
     try:
-        rows = conversations.load(source, params.prepare.trailing_assistant)
+        rows = formats.load(source, params.prepare.trailing_assistant)
         tokenizer = loading.load_tokenizer(params)
         kwargs = params.generate.chat_template_kwargs
         total = sum(

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import split
 from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.conversations import split
 from eagle3_pipeline.core import atomic, paths, readers
 from eagle3_pipeline.core.errors import DataError, StoreError
 from eagle3_pipeline.core.progress import Progress, log

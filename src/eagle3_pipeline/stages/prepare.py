@@ -1,6 +1,6 @@
 """Stage `prepare`: prompt files -> conversations with stable ids, split train/val by id hash.
 
-Shapes, ids and row rules are conversations.py's; reading is prompt_files.py's. Rows stream: the
+Shapes, ids and row rules are formats.py's; reading is prompt_files.py's. Rows stream: the
 files are read batch by batch, sorted by id through runs on disk (external_sort.py), and written
 as they come, so memory holds a batch, not the data set. Output: `train.jsonl` and `val.jsonl`
 sorted by id, and `skipped.jsonl`, every row not used (file, line or row, reason). Rows with the
@@ -32,14 +32,14 @@ from typing import IO
 
 import numpy as np
 
-from eagle3_pipeline import conversations
 from eagle3_pipeline.config.params import Params, PrepareParams
+from eagle3_pipeline.conversations import formats
+from eagle3_pipeline.conversations.prompt_files import Where
+from eagle3_pipeline.conversations.synthesis_mix import mix_counts
 from eagle3_pipeline.core import atomic, external_sort, paths, readers
 from eagle3_pipeline.core.errors import DataError, ParamsError
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.prompt_files import Where
 from eagle3_pipeline.store import names
-from eagle3_pipeline.synthesis.mix import mix_counts
 
 STAGE = "prepare"
 OUTPUT_DIR = paths.PREPARED
@@ -266,12 +266,12 @@ class _Reader:
             sources.append((self.synthesized, "refuse", None, True))
         t0 = last = time.monotonic()
         for path, trailing, id_field, is_synthesized in sources:
-            for where, row in conversations.read(path, trailing, id_field):
+            for where, row in formats.read(path, trailing, id_field):
                 self.rows += 1
                 if self.rows % 1024 == 0 and (now := time.monotonic()) - last >= LOG_EVERY_S:
                     last = now
                     log(STAGE, f"read {self.rows} rows ({self.rows / (now - t0):.0f} rows/s)")
-                if isinstance(row, conversations.Unusable):
+                if isinstance(row, formats.Unusable):
                     self.skipped.add(where, row.reason, row.detail)
                     continue
                 meta = json.dumps([list(where), is_synthesized])
@@ -279,7 +279,7 @@ class _Reader:
 
 
 def _duplicate(sample_id: str, first: str) -> str:
-    if conversations.is_derived_id(sample_id):
+    if formats.is_derived_id(sample_id):
         return f"the same conversation as {first} (id {sample_id})"
     return f"duplicate id {sample_id!r} (first in {first})"
 

@@ -3,15 +3,15 @@ set (prepare mixes them with the given prompt files: prepare.synthesized_share).
 
 The chat template is rendered up to the opening of a user turn (a default system prompt it
 inserts included); the verifier samples the user's words until the template's close of a user
-turn (synthesis/magpie.py). With `turns` > 1 the verifier then answers greedily and the next
+turn (conversations/magpie.py). With `turns` > 1 the verifier then answers greedily and the next
 user turn is sampled after that answer; the row is [user, assistant, ..., user], and generate
 answers its last turn.
 
 Reproducible and resumable: prompts are sampled in fixed batches of `batch_size` (vLLM on CPU
-takes no per-request seed; each call is seeded whole: synthesis/sampler.py), batch i seeded by a
+takes no per-request seed; each call is seeded whole: serving/sampler.py), batch i seeded by a
 hash of (seed, i, turn); each finished batch is journaled in data/.work/synthesize/ as sampled,
-and filters (synthesis/filters.py) and deduplication against the prompts kept before
-(synthesis/near_duplicates.py) are replayed from the journal. A killed run, or one with a larger
+and filters (conversations/synthesis_filters.py) and deduplication against the prompts kept before
+(conversations/near_duplicates.py) are replayed from the journal. A killed run, or one with a larger
 `count`, goes on from the batches drawn and ends with the same prompts (a smaller count keeps a
 prefix of them). Batches are drawn until `count` prompts are kept, or fail in one line after
 count x max_samples_ratio conversations, naming the drop counts and what to change.
@@ -34,12 +34,13 @@ from typing import Any
 
 from eagle3_pipeline import stage_deps
 from eagle3_pipeline.config.params import Params, SynthesizeParams
+from eagle3_pipeline.conversations import magpie
+from eagle3_pipeline.conversations import synthesis_filters as filters
+from eagle3_pipeline.conversations.near_duplicates import NearDuplicates
 from eagle3_pipeline.core import atomic, paths, resume
 from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.core.progress import Progress, log
-from eagle3_pipeline.synthesis import filters, magpie
-from eagle3_pipeline.synthesis import sampler as samplers
-from eagle3_pipeline.synthesis.near_duplicates import NearDuplicates
+from eagle3_pipeline.serving import sampler as samplers
 from eagle3_pipeline.verifier import identity as vf
 from eagle3_pipeline.verifier import loading
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from eagle3_pipeline import chat_template
 from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.conversations import chat_template
 from eagle3_pipeline.core import atomic, paths, readers
 from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.core.progress import log

@@ -31,11 +31,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_pipeline import split
 from eagle3_pipeline.cluster import online as cluster_online
 from eagle3_pipeline.config import families
 from eagle3_pipeline.config.families import FamilyParams
 from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.conversations import split
 from eagle3_pipeline.core import atomic, disk, paths, readers, resume
 from eagle3_pipeline.core.errors import ParamsError, StoreError
 from eagle3_pipeline.core.progress import log

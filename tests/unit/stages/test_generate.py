@@ -13,8 +13,8 @@ from fake_openai import DROP, error, fake_servers, reply, sequence
 from fake_openai import row_id as _row_id
 from generate_workspace import output_rows, prepare_rows, vllm_params
 
-from eagle3_pipeline import generation_rows
 from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.conversations import generation_rows
 from eagle3_pipeline.core import atomic, readers, resume
 from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.serving import server as vllm_server

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from eagle3_pipeline.cli import main
-from eagle3_pipeline.conversations import Unusable, read
+from eagle3_pipeline.conversations.formats import Unusable, read
 from eagle3_pipeline.core import readers
 from eagle3_pipeline.stages.prepare import is_val
 
@@ -127,7 +127,7 @@ def test_duplicates_are_kept_once_and_counted(tmp_path: Path, capsys) -> None:
 
 
 def _id() -> str:
-    from eagle3_pipeline.conversations import derived_id
+    from eagle3_pipeline.conversations.formats import derived_id
 
     return derived_id([{"role": "user", "content": "hi"}], [])
 
@@ -312,7 +312,7 @@ def test_synthesized_prompts_mix_by_share_nested(tmp_path: Path, capsys) -> None
 
 
 def test_mix_counts() -> None:
-    from eagle3_pipeline.synthesis.mix import mix_counts
+    from eagle3_pipeline.conversations.synthesis_mix import mix_counts
 
     assert mix_counts(40, 60, 0.5) == (40, 40)
     assert mix_counts(300, 120, 0.5) == (120, 120)

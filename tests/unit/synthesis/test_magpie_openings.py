@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from templates import CHATML_DEFAULT_SYSTEM, CHATML_TOOLS, KIMI_MODEL_OPENS_THINK
 
+from eagle3_pipeline.conversations import magpie
 from eagle3_pipeline.core.errors import VerifierError
-from eagle3_pipeline.synthesis import magpie
 from eagle3_pipeline.verifier import tiny
 
 REPO = Path(__file__).resolve().parents[3]

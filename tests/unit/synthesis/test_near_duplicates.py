@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from eagle3_pipeline.synthesis.near_duplicates import (
+from eagle3_pipeline.conversations.near_duplicates import (
     RECALL,
     NearDuplicates,
     band_shape,

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from templates import CHATML_DEFAULT_SYSTEM
 
-from eagle3_pipeline.synthesis import filters, magpie
+from eagle3_pipeline.conversations import magpie
+from eagle3_pipeline.conversations import synthesis_filters as filters
 from eagle3_pipeline.verifier import tiny
 
 REPO = Path(__file__).resolve().parents[3]

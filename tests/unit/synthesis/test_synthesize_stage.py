@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3_pipeline import conversations
 from eagle3_pipeline.cli import main
 from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.conversations import formats
 from eagle3_pipeline.core import readers
 from eagle3_pipeline.core.errors import DataError
+from eagle3_pipeline.serving import sampler as samplers
 from eagle3_pipeline.stages import synthesize
-from eagle3_pipeline.synthesis import sampler as samplers
 from eagle3_pipeline.verifier import tiny
 
 REPO = Path(__file__).resolve().parents[3]
@@ -155,7 +155,7 @@ def test_count_prompts_are_kept_and_drops_counted(
     assert len(set(ids)) == 40 and all(i.startswith("syn-") and len(i) == 24 for i in ids)
     assert [r["id"] for r in rows] == [synthesize.conversation_id(r["messages"]) for r in rows]
     for n, r in enumerate(rows):  # prepare reads them as they are
-        assert conversations.normalize(r, n) == r
+        assert formats.normalize(r, n) == r
         assert [m["role"] for m in r["messages"]] == ["user"]
         assert r["messages"][0]["content"] == r["messages"][0]["content"].strip()
     assert sum(r["messages"][0]["content"] == SEA for r in rows) <= 1

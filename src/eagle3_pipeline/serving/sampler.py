@@ -21,8 +21,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from eagle3_pipeline import generation_rows
 from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.conversations import generation_rows
 from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.verifier import identity as vf
 from eagle3_pipeline.verifier import loading

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from eagle3_pipeline import chat_template
+from eagle3_pipeline.conversations import chat_template
+from eagle3_pipeline.conversations.generation_rows import split_reasoning
 from eagle3_pipeline.core.errors import VerifierError
-from eagle3_pipeline.generation_rows import split_reasoning
 
 USER = "MagpieUserSentinelQz7"
 USER2 = "MagpieNextUserSentinelQz7"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 
-from eagle3_pipeline import chat_template
+from eagle3_pipeline.conversations import chat_template
 
 
 def split_reasoning(text: str) -> tuple[str | None, str]:

@@ -37,8 +37,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from eagle3_pipeline.conversations.prompt_files import Where, prompt_files, raw_rows
 from eagle3_pipeline.core.errors import DataError
-from eagle3_pipeline.prompt_files import Where, prompt_files, raw_rows
 
 TrailingAssistant = Literal["refuse", "regenerate"]
 ROLES = ("system", "user", "assistant", "tool")
