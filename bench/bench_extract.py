@@ -100,8 +100,8 @@ def plan(params_path: str, samples: int | None):
     from eagle3_pipeline.config.layer_ids import store_aux_layer_ids
     from eagle3_pipeline.config.params import load_params
     from eagle3_pipeline.core import paths
-    from eagle3_pipeline.extraction import token_budget_batches
     from eagle3_pipeline.store import format as store
+    from eagle3_pipeline.store.extraction import token_budget_batches
     from eagle3_pipeline.verifier import identity as vf
 
     params = load_params(params_path)
@@ -131,7 +131,7 @@ def worker(args: argparse.Namespace) -> int:
     tmp = args.tmp
     with contextlib.ExitStack() as stack:
         if args.worker == "stage":
-            from eagle3_pipeline.extraction import open_backend
+            from eagle3_pipeline.store.extraction import open_backend
 
             run_batch = stack.enter_context(
                 open_backend(params, layout.layer_ids, tmp / "vllm-files")

@@ -158,8 +158,8 @@ def bench_extract(tmp: Path) -> dict | None:
     paired runs (bare then extract, twice; the least disturbed pair), and within each extract
     run the time spent outside the model (load + forward) over the time inside it.
     """
-    from eagle3_pipeline import extraction
     from eagle3_pipeline.stages import extract
+    from eagle3_pipeline.store import extraction
     from eagle3_pipeline.verifier import loading
 
     verifier = REPO / "data/verifier"

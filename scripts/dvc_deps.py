@@ -18,8 +18,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from eagle3_pipeline import stage_deps  # noqa: E402
 from eagle3_pipeline.config.params import Params, load_params  # noqa: E402
+from eagle3_pipeline.harness import stage_deps  # noqa: E402
 
 PKG = stage_deps.PKG
 closure = stage_deps.closure

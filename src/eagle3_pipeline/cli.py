@@ -13,9 +13,9 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from eagle3_pipeline import stage_deps, stage_lock
 from eagle3_pipeline.core import disk, paths
 from eagle3_pipeline.core.errors import PipelineError
+from eagle3_pipeline.harness import stage_deps, stage_lock
 from eagle3_pipeline.serving.server import vllm_env_defaults
 
 if TYPE_CHECKING:
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             from eagle3_pipeline.store import verify as store_verify
 
             return store_verify.main(params, store_dir=args.store)
-        from eagle3_pipeline import provenance
+        from eagle3_pipeline.harness import provenance
 
         if args.stage == "provenance":
             print(provenance.show(args.target), flush=True)

@@ -45,7 +45,7 @@ def test_package_modules_count_as_deps(tmp_path: Path) -> None:
     src = tmp_path / "m.py"
     src.write_text(
         "from eagle3_pipeline.training import checkpoints\n"
-        "from eagle3_pipeline import paths\n"
+        "from eagle3_pipeline.core import paths\n"
         "from eagle3_pipeline.config.params import Params\n"
     )
     assert dvc_deps.imports(src) == {

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3_pipeline import provenance
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import ParamsError
+from eagle3_pipeline.harness import provenance
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3_pipeline import stage_deps
 from eagle3_pipeline.config.params import load_params
 from eagle3_pipeline.core.errors import ParamsError
+from eagle3_pipeline.harness import stage_deps
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))

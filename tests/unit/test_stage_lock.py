@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3_pipeline import stage_lock
 from eagle3_pipeline.core import paths
+from eagle3_pipeline.harness import stage_lock
 
 REPO = Path(__file__).resolve().parents[2]
 EAGLE3 = str(Path(sys.executable).with_name("eagle3"))
 HOLDER = (
     "import sys, time\n"
-    "from eagle3_pipeline import stage_lock\n"
+    "from eagle3_pipeline.harness import stage_lock\n"
     "with stage_lock.hold(sys.argv[1]):\n"
     "    print('held', flush=True)\n"
     "    time.sleep(120)\n"

@@ -26,8 +26,8 @@ from eagle3_pipeline.core.errors import DataError, ParamsError
 from eagle3_pipeline.core.progress import Progress, log
 from eagle3_pipeline.drafter import load as drafter_load
 from eagle3_pipeline.evaluation import offline
-from eagle3_pipeline.extraction import open_backend, token_budget_batches
 from eagle3_pipeline.store import format as store
+from eagle3_pipeline.store.extraction import open_backend, token_budget_batches
 from eagle3_pipeline.verifier import identity as vf
 
 STAGE = "probe-layers"

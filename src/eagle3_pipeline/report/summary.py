@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import sys
 
-from eagle3_pipeline import provenance
 from eagle3_pipeline.config.params import load_params
 from eagle3_pipeline.core import paths
 from eagle3_pipeline.core.errors import PipelineError
 from eagle3_pipeline.evaluation import learning_curve, speedup
+from eagle3_pipeline.harness import provenance
 from eagle3_pipeline.report import comparison
 
 DRAFTER = paths.DRAFTER

@@ -35,9 +35,9 @@ from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import atomic, disk, paths, readers, resume
 from eagle3_pipeline.core.errors import StoreError
 from eagle3_pipeline.core.progress import Progress, log
-from eagle3_pipeline.extraction import open_backend, token_budget_batches
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.store import names
+from eagle3_pipeline.store.extraction import open_backend, token_budget_batches
 from eagle3_pipeline.verifier import identity as vf
 
 if TYPE_CHECKING:

@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import stage_deps
 from eagle3_pipeline.cluster import leases
 from eagle3_pipeline.cluster import record as cluster_record
 from eagle3_pipeline.config.params import Params
@@ -28,6 +27,7 @@ from eagle3_pipeline.conversations import chat_template, generation_rows, turns
 from eagle3_pipeline.core import atomic, paths, readers, resume
 from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.core.progress import Progress, log
+from eagle3_pipeline.harness import stage_deps
 from eagle3_pipeline.serving import auth
 from eagle3_pipeline.serving import server as vllm_server
 from eagle3_pipeline.serving.chat import API_KEY_VAR, ChatClient, ChatReply

@@ -32,7 +32,6 @@ import time
 from collections import Counter
 from typing import Any
 
-from eagle3_pipeline import stage_deps
 from eagle3_pipeline.config.params import Params, SynthesizeParams
 from eagle3_pipeline.conversations import magpie
 from eagle3_pipeline.conversations import synthesis_filters as filters
@@ -40,6 +39,7 @@ from eagle3_pipeline.conversations.near_duplicates import NearDuplicates
 from eagle3_pipeline.core import atomic, paths, resume
 from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.core.progress import Progress, log
+from eagle3_pipeline.harness import stage_deps
 from eagle3_pipeline.serving import sampler as samplers
 from eagle3_pipeline.verifier import identity as vf
 from eagle3_pipeline.verifier import loading

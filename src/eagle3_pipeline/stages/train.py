@@ -17,7 +17,7 @@ data, forwards SIGINT/SIGTERM to torchrun and copies the outputs; rank 0 alone l
 (cluster.torchrun: c10d rendezvous; a lost node relaunches from the last complete epoch), and
 which node did what goes into the stage's provenance. Online mode there splits the cluster:
 vLLM (and a Mooncake master) on an inference pool, torchrun on the training pool
-(cluster/online.py).
+(training/online_pools.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_pipeline.cluster import online as cluster_online
 from eagle3_pipeline.config import families
 from eagle3_pipeline.config.families import FamilyParams
 from eagle3_pipeline.config.params import Params
@@ -42,7 +41,7 @@ from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.drafter import mask_token
 from eagle3_pipeline.drafter.conventions import RunConventions, run_conventions
 from eagle3_pipeline.store import format as store
-from eagle3_pipeline.training import online
+from eagle3_pipeline.training import online, online_pools
 from eagle3_pipeline.training.checkpoints import (
     discard_incomplete,
     resume_epoch,
@@ -151,10 +150,10 @@ def _train_online(params: Params, inputs: TrainInputs) -> None:
     t = params.train
     online.check_layer_order(inputs.aux, inputs.final)
     layer_ids = [*inputs.aux, inputs.final]
-    if cluster_online.uses_pools(params):
+    if online_pools.uses_pools(params):
         # Across nodes: vLLM (and the Mooncake master) on the inference pool, torchrun on the
-        # training pool (cluster/online.py).
-        with cluster_online.inference_pool(params, layer_ids, inputs.work) as pools:
+        # training pool (training/online_pools.py).
+        with online_pools.inference_pool(params, layer_ids, inputs.work) as pools:
             flags = _check_and_log(params, inputs, pools.source, len(pools.sources))
             for other in pools.sources[1:]:  # every server, not only the one params name
                 _check_server(params, inputs, other, flags)
@@ -397,7 +396,7 @@ def _distributed(params: Params) -> bool:
     return params.train.nproc > 1 or _nodes(params) > 1
 
 
-def _launch(params: Params, inputs: TrainInputs, pools: cluster_online.Pools | None = None) -> None:
+def _launch(params: Params, inputs: TrainInputs, pools: online_pools.Pools | None = None) -> None:
     """One `_worker_main` per process under torchrun, from the params written to scratch."""
     spec = inputs.work / "params.json"
     atomic.write_text(spec, params.model_dump_json())
@@ -411,7 +410,7 @@ def _launch(params: Params, inputs: TrainInputs, pools: cluster_online.Pools | N
 
 
 def _launch_on_cluster(
-    params: Params, inputs: TrainInputs, worker: list[str], pools: cluster_online.Pools | None
+    params: Params, inputs: TrainInputs, worker: list[str], pools: online_pools.Pools | None
 ) -> None:
     """One torchrun agent per training node (cluster.torchrun), on the training pool when
     online training has one; record who did what."""

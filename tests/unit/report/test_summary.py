@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3_pipeline import provenance
 from eagle3_pipeline.config.params import load_params
+from eagle3_pipeline.harness import provenance
 from eagle3_pipeline.report import summary
 
 REPO = Path(__file__).resolve().parents[3]

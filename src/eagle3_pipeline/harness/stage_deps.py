@@ -23,7 +23,7 @@ from eagle3_pipeline.core.errors import ParamsError
 if TYPE_CHECKING:
     from eagle3_pipeline.config.params import Params
 
-PKG = Path(__file__).resolve().parent
+PKG = Path(__file__).resolve().parents[1]  # src/eagle3_pipeline
 PARAM_MARK = "# param: "
 # Which stages read a file through which path param.
 PATH_PARAMS: dict[str, tuple[str, ...]] = {

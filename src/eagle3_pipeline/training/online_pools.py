@@ -1,19 +1,19 @@
 """Online training across nodes: vLLM on an inference pool, torchrun on a training pool.
 
-TorchSpec's shape on our engine. With `cluster.engine: ray`, `train.hidden_states: online` and
-no `train.online.endpoint`, the first `cluster.nodes - cluster.training_nodes` nodes are the
-inference pool and the rest the training pool (torchrun agents run there only). Every inference
-node serves the verifier with `extract_hidden_states` (a servers.ServerWorker actor pinned to it,
+TorchSpec's shape on our engine. With `cluster.engine: ray`, `train.hidden_states: online` and no
+`train.online.endpoint`, the first `cluster.nodes - cluster.training_nodes` nodes are the inference
+pool and the rest the training pool (torchrun agents run there only). Every inference node serves
+the verifier with `extract_hidden_states` (a cluster/servers.py ServerWorker actor pinned to it,
 listening on its cluster address); speculators' dataloader takes one `--vllm-endpoint`, so each
 training rank is given one of those servers, round robin by global rank (training/online.py
-`endpoint_for_rank`); with `backend: mooncake`, only where two servers on one master are shown
-to work (`serving_nodes`). With `train.online.backend: mooncake` the first inference node also
-runs `mooncake_master` (a MasterWorker actor, bound to the node's address, stopped at the end)
-unless params.yaml names `train.online.mooncake.master`. Every Mooncake client registers its own
-node's address (MOONCAKE_LOCAL_HOSTNAME): each server its node's, each trainer its node's, the
-driver (whose pre-flight probe reads one sample from every server) its own. With `backend:
-file` the servers write into the run's scratch folder, which the cluster pre-flight guarantees
-every node shares.
+`endpoint_for_rank`); with `backend: mooncake`, only where two servers on one master are shown to
+work (`serving_nodes`). With `train.online.backend: mooncake` the first inference node also runs
+`mooncake_master` (a MasterWorker actor, bound to the node's address, stopped at the end) unless
+params.yaml names `train.online.mooncake.master`. Every Mooncake client registers its own node's
+address (MOONCAKE_LOCAL_HOSTNAME): each server its node's, each trainer its node's, the driver
+(whose pre-flight probe reads one sample from every server) its own. With `backend: file` the
+servers write into the run's scratch folder, which the cluster pre-flight guarantees every node
+shares.
 
 The servers listen on their node's cluster address only, never 0.0.0.0, and want the run's own
 API key on every route but /health; the trainers get the key in their environment (speculators'
