@@ -5,18 +5,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3_pipeline.evaluation import online as oe
+from eagle3_pipeline.evaluation.measure import RunResult
 
 
 def fake_run(
     tokens: list[list[int]], wall: float, drafts: float, accepted: float, k: int = 3
-) -> oe.RunResult:
+) -> RunResult:
     """A run whose counters say `drafts` drafts of `k` tokens with `accepted` accepted."""
     counters = {"num_drafts": drafts, "num_draft_tokens": drafts * k}
     counters |= {"num_accepted_tokens": accepted}
     counters |= {f"accepted_pos_{p}": accepted / k for p in range(k)}
     counters |= {"spec_decode_enabled": float(drafts > 0)}
-    return oe.RunResult(tokens, [str(t) for t in tokens], [len(t) for t in tokens], wall, counters)
+    return RunResult(tokens, [str(t) for t in tokens], [len(t) for t in tokens], wall, counters)
 
 
 def write_val_prompts(root: Path, n: int = 5) -> None:

@@ -20,8 +20,8 @@ from eagle3_pipeline.evaluation.acceptance import served_acceptance
 
 if TYPE_CHECKING:
     from eagle3_pipeline.config.params import EvaluateParams
+    from eagle3_pipeline.evaluation.measure import RunResult
     from eagle3_pipeline.evaluation.offline import Simulation
-    from eagle3_pipeline.evaluation.online import RunResult
 
 
 def row(baseline: RunResult, run: RunResult, timing: Mapping[str, Any], k: int) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from eagle3_pipeline.core.errors import DataError, ParamsError, StoreError
 from eagle3_pipeline.core.progress import Progress, log
 from eagle3_pipeline.drafter import load as drafter
 from eagle3_pipeline.drafter.conventions import run_conventions
-from eagle3_pipeline.evaluation import draft_sweep, offline, parallel_offline
+from eagle3_pipeline.evaluation import draft_sweep, measure, offline, parallel_offline
 from eagle3_pipeline.evaluation import online as online_eval
 from eagle3_pipeline.evaluation.losslessness import Verdict
 from eagle3_pipeline.evaluation.verdict import online_verdict, require_lossless
@@ -298,18 +298,7 @@ def run_online(
     its rounds spread more than evaluate.speedup_max_spread (evaluation/speedup.py)."""
     e = params.evaluate
     rows = val_conversations(e.max_eval_prompts)
-    settings = online_eval.Settings(
-        num_speculative_tokens=e.num_speculative_tokens,
-        max_new_tokens=e.max_new_tokens,
-        # Both runs use it, so the ratio is fair; 1 = the latency a single user sees.
-        concurrency=params.evaluate.concurrency,
-        chat_template_kwargs=dict(params.generate.chat_template_kwargs),
-        top_logprobs=e.top_logprobs,
-        near_tie_nats=e.near_tie_nats,
-        throughput_concurrency=tuple(e.throughput_concurrency),
-        speedup_rounds=e.speedup_rounds,
-        speedup_max_spread=e.speedup_max_spread,
-    )
+    settings = measure.Settings.from_params(params)
     # No reasoning parser: the whole completion (reasoning included) is what the runs compare.
     base = verifier_spec(params, work / "vllm.log")
     if e.vllm_extra_args is not None:

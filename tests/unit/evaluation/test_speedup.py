@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from fake_openai import fake_servers, reply
 
+from eagle3_pipeline.evaluation import measure, speedup
 from eagle3_pipeline.evaluation import online as oe
-from eagle3_pipeline.evaluation import speedup
 from eagle3_pipeline.evaluation.speedup import Round
 from eagle3_pipeline.serving.server import ServerSpec
 
@@ -164,8 +164,8 @@ def _evaluate(
         )
 
     monkeypatch.setattr(oe, "serve_many", serve_many)
-    monkeypatch.setattr(oe, "settled_counters", counters)
-    monkeypatch.setattr(oe, "time", SimpleNamespace(monotonic=pair.now))
+    monkeypatch.setattr(measure, "settled_counters", counters)
+    monkeypatch.setattr(measure, "time", SimpleNamespace(monotonic=pair.now))
     run = oe.Settings(num_speculative_tokens=3, max_new_tokens=8, **settings)
     pair.per_round = speedup.round_prompts(len(PROMPTS), run.speedup_rounds, run.concurrency)
     base = ServerSpec(model="v", log_file=tmp_path / "x.log")
