@@ -20,12 +20,12 @@ warns that it is slower), so 16 is added to what CPU_ATTN declares. Its outputs 
 checked against torch SDPA in tests/unit/serving/test_cpu_patches.py. On GPU both backends
 share block sizes and nothing is patched.
 
-vLLM's CPU platform spawns its engine and workers (the server forks its engine instead where it
-runs the uni executor: `server._fork_engine_core`); a spawned process loses a patch made in the
-server process, so the server adds `--worker-extension-cls` naming a class of
-`cpu_mla_worker` (MLA) or `mla_drafter_worker` (MLA + drafter), which vLLM imports in each
-worker before it builds the model, and that import applies the patches. The in-process engine
-of extract calls `patch_in_process`.
+vLLM's CPU platform spawns its engine and workers (the server forks its engine instead where it runs
+the uni executor: `server_entry._fork_engine_core`); a spawned process loses a patch made in the
+server process, so the server adds `--worker-extension-cls` naming a class of `cpu_mla_worker` (MLA)
+or `mla_drafter_worker` (MLA + drafter), which vLLM imports in each worker before it builds the
+model, and that import applies the patches. The in-process engine of extract calls
+`patch_in_process`.
 
 `inspect_models_in_process`: every server and engine on CPU. vLLM inspects a model class it has
 not cached yet (`VLLM_CACHE_ROOT/modelinfos`) in a subprocess, only so that importing the model

@@ -32,7 +32,8 @@ from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import DataError, VerifierError
 from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.serving import cpu_patches
-from eagle3_pipeline.serving.server import patch_cpu_kernel_rebind, server_env
+from eagle3_pipeline.serving.server import server_env
+from eagle3_pipeline.serving.server_entry import patch_cpu_kernel_rebind
 from eagle3_pipeline.serving.server_spec import model_args
 from eagle3_pipeline.verifier import identity as vf
 

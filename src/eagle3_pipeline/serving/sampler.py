@@ -60,7 +60,7 @@ class VllmSampler:
 
         from eagle3_pipeline.serving import cpu_patches
         from eagle3_pipeline.serving.hidden_states import engine_dtype, engine_overrides
-        from eagle3_pipeline.serving.server import patch_cpu_kernel_rebind
+        from eagle3_pipeline.serving.server_entry import patch_cpu_kernel_rebind
         from eagle3_pipeline.serving.server_spec import model_args
 
         path = params.verifier.path

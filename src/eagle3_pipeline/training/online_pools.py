@@ -40,7 +40,7 @@ from eagle3_pipeline.config.params import ClusterParams, OnlineParams, Params
 from eagle3_pipeline.core.errors import ParamsError, ServerError
 from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.serving import auth
-from eagle3_pipeline.serving.server import cpu_worker_in_engine_core
+from eagle3_pipeline.serving.server_entry import cpu_worker_in_engine_core
 from eagle3_pipeline.training.online import ENDPOINTS_VAR, OnlineSource
 from eagle3_pipeline.training.online import trainer_env as online_trainer_env
 from eagle3_pipeline.training.online_backend import LOCAL_HOSTNAME_VAR
