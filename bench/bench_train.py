@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO / "src"))
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from eagle3_pipeline.config.params import TrainParams  # noqa: E402
 from eagle3_pipeline.core import atomic, readers  # noqa: E402
 from eagle3_pipeline.store import format as store  # noqa: E402
 from eagle3_pipeline.training.data import (  # noqa: E402
@@ -94,7 +95,22 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
     try:
         data_dir, n_train, n_rows, train_tokens = _training_inputs(work)
+        train = TrainParams(
+            epochs=args.epochs,
+            lr=t["lr"],
+            scheduler=t["scheduler"],
+            warmup_ratio=t["warmup_ratio"],
+            noise_std=0.0,
+            ttt_steps=t["ttt_steps"],
+            ttt_step_loss_decay=t["ttt_step_loss_decay"],
+            max_tokens_per_batch=t["max_tokens_per_batch"],
+            seed=t["seed"],
+            num_workers=t["num_workers"],
+            train_lm_head=False,
+            keep_last=2,
+        )
         settings = TrainSettings(
+            train=train,
             data_dir=data_dir,
             verifier_dir=DATA / "verifier",
             save_dir=work / "ckpt",  # replaced per run
@@ -103,19 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             draft_vocab_size=params["vocab"]["draft_vocab_size"],
             target_layer_ids=aux,
             train_data_ratio=train_data_ratio_for(n_train, n_rows),
-            epochs=args.epochs,
-            lr=t["lr"],
-            scheduler=t["scheduler"],
-            warmup_ratio=t["warmup_ratio"],
-            noise_std=0.0,
-            ttt_steps=t["ttt_steps"],
-            ttt_step_loss_decay=t["ttt_step_loss_decay"],
-            total_seq_len=t["max_tokens_per_batch"],
-            seed=t["seed"],
-            num_workers=t["num_workers"],
             metrics_every_steps=1,
-            train_lm_head=False,
-            keep_last=2,
         )
         apply_cpu_shims()
         from speculators.train.cli import main as speculators_main

@@ -178,9 +178,26 @@ def start_of_training(
     root: Path, verifier: Path, init_from: Path, conventions: Any, name: str
 ) -> Any:
     """The drafter speculators' trainer starts from under `conventions` (no step taken)."""
+    from eagle3_pipeline.config.params import TrainParams
     from eagle3_pipeline.training.run import TrainSettings, initial_drafter
 
+    train = TrainParams(
+        epochs=1,
+        lr=1e-4,
+        scheduler="none",
+        warmup_ratio=0.0,
+        noise_std=0.0,
+        ttt_steps=K,
+        ttt_step_loss_decay=1.0,
+        max_tokens_per_batch=256,
+        seed=0,
+        num_workers=0,
+        train_lm_head=True,
+        keep_last=None,
+        init_from=str(init_from),
+    )
     settings = TrainSettings(
+        train=train,
         data_dir=root / name / "data",
         verifier_dir=verifier,
         save_dir=root / name / "ckpt",
@@ -189,18 +206,6 @@ def start_of_training(
         draft_vocab_size=DRAFT_VOCAB,
         target_layer_ids=list(conventions.aux_layer_ids),
         train_data_ratio=1.0,
-        epochs=1,
-        lr=1e-4,
-        scheduler="none",
-        warmup_ratio=0.0,
-        noise_std=0.0,
-        ttt_steps=K,
-        ttt_step_loss_decay=1.0,
-        total_seq_len=256,
-        seed=0,
-        num_workers=0,
-        train_lm_head=True,
-        init_from=init_from,
         **conventions.flags,
         draft_layer_config=conventions.layer_config,
     )

@@ -192,11 +192,29 @@ def build_run_inputs(root: Path) -> dict[str, Any]:
 
 
 def tiny_settings(inputs: dict[str, Any], run_dir: Path, **overrides: Any) -> Any:
-    """TrainSettings for one epoch on `build_run_inputs`, data and checkpoints in run_dir."""
+    """TrainSettings for one epoch on `build_run_inputs`, data and checkpoints in run_dir;
+    `overrides` name train knobs (TrainParams fields) or settings fields."""
+    from eagle3_pipeline.config.params import TrainParams
     from eagle3_pipeline.training.data import train_data_ratio_for
     from eagle3_pipeline.training.run import TrainSettings
 
+    knobs = {k: overrides.pop(k) for k in list(overrides) if k in TrainParams.model_fields}
+    train = TrainParams(
+        epochs=1,
+        lr=3e-3,
+        scheduler="cosine",
+        warmup_ratio=0.1,
+        noise_std=0.0,
+        ttt_steps=3,
+        ttt_step_loss_decay=1.0,
+        max_tokens_per_batch=256,
+        seed=0,
+        num_workers=0,
+        train_lm_head=False,
+        keep_last=None,
+    )
     settings = TrainSettings(
+        train=train.model_copy(update=knobs),  # unvalidated: run_training's own checks refuse
         data_dir=run_dir / "data",
         verifier_dir=inputs["root"] / "verifier",
         save_dir=run_dir / "ckpt",
@@ -205,16 +223,6 @@ def tiny_settings(inputs: dict[str, Any], run_dir: Path, **overrides: Any) -> An
         draft_vocab_size=DRAFT_VOCAB,
         target_layer_ids=AUX_IDS,
         train_data_ratio=train_data_ratio_for(N_TRAIN, N_ROWS),
-        epochs=1,
-        lr=3e-3,
-        scheduler="cosine",
-        warmup_ratio=0.1,
-        noise_std=0.0,
-        ttt_steps=3,
-        ttt_step_loss_decay=1.0,
-        total_seq_len=256,
-        seed=0,
-        num_workers=0,
     )
     return replace(settings, **overrides)
 

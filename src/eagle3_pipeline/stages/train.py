@@ -11,94 +11,45 @@ epochs kept. The outputs are copies of the best (lowest val loss) and final chec
 go to DVCLive (metrics/train/) and, as plain lines, to stdout so a log file shows the loss.
 
 `train.nproc` > 1 relaunches the training part through torchrun (`python -m
-eagle3_pipeline.stages.train --worker PARAMS_JSON` per process); this process prepares the
-data, forwards SIGINT/SIGTERM to torchrun and copies the outputs; rank 0 alone logs. With
-`cluster.engine: ray` the same workers run under one torchrun agent per training node
-(cluster.torchrun: c10d rendezvous; a lost node relaunches from the last complete epoch), and
-which node did what goes into the stage's provenance. Online mode there splits the cluster:
-vLLM (and a Mooncake master) on an inference pool, torchrun on the training pool
-(training/online_pools.py).
+eagle3_pipeline.stages.train --worker PARAMS_JSON` per process: training/launch.py); this
+process prepares the data, forwards SIGINT/SIGTERM to torchrun and copies the outputs; rank 0
+alone logs. With `cluster.engine: ray` the same workers run under one torchrun agent per
+training node, and online mode there splits the cluster: vLLM (and a Mooncake master) on an
+inference pool, torchrun on the training pool (training/online_pools.py). The online server is
+checked against the store before step one (training/online_checks.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_pipeline.config import families
 from eagle3_pipeline.config.families import FamilyParams
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.conversations import split
-from eagle3_pipeline.core import atomic, disk, paths, readers, resume
+from eagle3_pipeline.core import disk, paths, readers, resume
 from eagle3_pipeline.core.errors import ParamsError, StoreError
 from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.drafter import mask_token
-from eagle3_pipeline.drafter.conventions import RunConventions, run_conventions
+from eagle3_pipeline.drafter.conventions import run_conventions
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.training import online, online_pools
-from eagle3_pipeline.training.checkpoints import (
-    discard_incomplete,
-    resume_epoch,
-)
-from eagle3_pipeline.training.data import (
-    TrainingSample,
-    train_data_ratio_for,
-    write_training_data,
-)
-from eagle3_pipeline.training.launch import launch_torchrun, torchrun_command
+from eagle3_pipeline.training.checkpoints import discard_incomplete, resume_epoch
+from eagle3_pipeline.training.data import TrainingSample, write_training_data
+from eagle3_pipeline.training.inputs import TrainInputs, distributed, nodes, run_settings
+from eagle3_pipeline.training.launch import die_with_agent, launch
 from eagle3_pipeline.training.metrics import MetricsSink, open_live, trim_live
 from eagle3_pipeline.training.online_backend import mooncake_env
+from eagle3_pipeline.training.online_checks import check_and_log, check_server, served_by
 from eagle3_pipeline.training.publish import Outputs, publish
-from eagle3_pipeline.training.run import (
-    TrainSettings,
-    build_train_config,
-    run_training,
-    untrained_val,
-)
+from eagle3_pipeline.training.run import TrainSettings, run_training, untrained_val
 from eagle3_pipeline.verifier import identity as vf
 
 STAGE = "train"
-
-
-@dataclass(frozen=True)
-class TrainInputs:
-    """What every process of one run derives alike from params and the stage's inputs."""
-
-    conventions: RunConventions
-    samples: list[TrainingSample]
-    n_train: int
-    work: Path
-    row_ids: list[str]  # sample id of each row, in the order speculators indexes them
-    positions: list[int] | None = None  # the run's layers in the store's files (final last)
-    mask: tuple[int, str] | None = None  # P-EAGLE/DFlash mask token id, and how it was chosen
-    record_as: str = STAGE  # the stage name of cluster records: train, or family@NAME
-
-    @property
-    def aux(self) -> list[int]:
-        return self.conventions.aux_layer_ids
-
-    @property
-    def final(self) -> int:
-        return self.conventions.final_layer_id
-
-    @property
-    def data_dir(self) -> Path:
-        return self.work / "data"
-
-    @property
-    def save_dir(self) -> Path:
-        return self.work / "checkpoints"
-
-    @property
-    def live_dir(self) -> Path:
-        # DVCLive history lives beside the checkpoints, so a resumed run keeps earlier curves.
-        return self.work / "live"
 
 
 def run(params: Params, outputs: Outputs | None = None, fraction: float | None = None) -> None:
@@ -106,7 +57,7 @@ def run(params: Params, outputs: Outputs | None = None, fraction: float | None =
     `fraction`: on that nested fraction of the training rows only (a learning-curve point)."""
     outputs = outputs or Outputs()
     t = params.train
-    if t.strategy == "fsdp" and not _distributed(params):
+    if t.strategy == "fsdp" and not distributed(params):
         raise ParamsError(
             "params.yaml: train.strategy=fsdp shards the drafter across processes but "
             "train.nproc=1 on one node: set train.nproc to the number of GPUs, or strategy: ddp"
@@ -135,13 +86,13 @@ def run(params: Params, outputs: Outputs | None = None, fraction: float | None =
     with disk.guard(STAGE, inputs.save_dir):  # a checkpoint write that fails: OS reason, mount
         if t.hidden_states == "online":
             _train_online(params, inputs)
-        elif _distributed(params):
-            _launch(params, inputs)
+        elif distributed(params):
+            launch(params, inputs, __name__)
         else:
             _train(params, inputs)
     twin = None  # a branch is measured against its untrained twin (evaluate does train's)
     if outputs.twin and t.hidden_states == "store":
-        twin = untrained_val(_settings(params, inputs, None), inputs.work / "twin")
+        twin = untrained_val(run_settings(params, inputs, None), inputs.work / "twin")
     publish(outputs, inputs.live_dir, inputs.save_dir, t.epochs, t.family, twin)
 
 
@@ -154,18 +105,18 @@ def _train_online(params: Params, inputs: TrainInputs) -> None:
         # Across nodes: vLLM (and the Mooncake master) on the inference pool, torchrun on the
         # training pool (training/online_pools.py).
         with online_pools.inference_pool(params, layer_ids, inputs.work) as pools:
-            flags = _check_and_log(params, inputs, pools.source, len(pools.sources))
+            flags = check_and_log(params, inputs, pools.source, len(pools.sources))
             for other in pools.sources[1:]:  # every server, not only the one params name
-                _check_server(params, inputs, other, flags)
-            _launch(_served_by(params, pools.source, pools.master), inputs, pools)
+                check_server(params, inputs, other, flags)
+            launch(served_by(params, pools.source, pools.master), inputs, __name__, pools)
         return
     os.environ.update(mooncake_env(t.online))  # torchrun workers inherit it
     with online.online_source(params, layer_ids, inputs.work) as source:
         os.environ.update(online.trainer_env(source))  # this process's trainer, or torchrun's
-        flags = _check_and_log(params, inputs, source)
-        if _distributed(params):
+        flags = check_and_log(params, inputs, source)
+        if distributed(params):
             # Workers read the server from params: the one started here, or the given one.
-            _launch(_served_by(params, source), inputs)
+            launch(served_by(params, source), inputs, __name__)
         else:
             _train(params, inputs, flags, source)
 
@@ -201,57 +152,6 @@ def family_branch(params: Params, name: str) -> tuple[Params, Outputs]:
     own = params.layers.family_aux_layer_ids.get(name)  # else train's, from the same store
     layers = params.layers.model_copy(update={"aux_layer_ids": own}) if own else params.layers
     return params.model_copy(update={"train": t, "layers": layers}), Outputs.of_family(name)
-
-
-def _check_and_log(
-    params: Params, inputs: TrainInputs, source: online.OnlineSource, servers: int = 1
-) -> dict:
-    """Log the plan, check the server against the store; speculators' online flags."""
-    t = params.train
-    stored = sum(s["hidden_states_file"] is not None for s in inputs.samples)
-    online.log_plan(t.online, source, len(inputs.samples), stored, servers)
-    flags = online.speculators_flags(t.online, source.endpoint)
-    _check_server(params, inputs, source, flags)
-    return flags
-
-
-def _served_by(params: Params, source: online.OnlineSource, master: str | None = None) -> Params:
-    """Params whose train.online names this server (and Mooncake master): what workers read."""
-    o = params.train.online
-    update: dict = {"endpoint": source.endpoint}
-    if master:
-        update["mooncake"] = o.mooncake.model_copy(update={"master": master})
-    train = params.train.model_copy(update={"online": o.model_copy(update=update)})
-    return params.model_copy(update={"train": train})
-
-
-def _check_server(
-    params: Params, inputs: TrainInputs, source: online.OnlineSource, flags: dict
-) -> None:
-    """The server's hidden states of the first stored row equal the store's (or refuse)."""
-    from hs_connectors.transfer import FP8Transfer
-
-    row = next((i for i, s in enumerate(inputs.samples) if s["hidden_states_file"]), None)
-    if row is None:
-        log(STAGE, "no stored row to check the server against: skipped")
-        return
-    stored = FP8Transfer(inputs.data_dir / "hidden_states").get_cached(row)
-    assert stored is not None  # write_training_data linked it
-    stored["hidden_states"] = stored["hidden_states"][:, inputs.positions or slice(None)]
-    args = argparse.Namespace(**build_train_config(_settings(params, inputs, flags)).flatten())
-    worst = online.check_server(
-        source,
-        args,
-        inputs.samples[row]["input_ids"],
-        stored["hidden_states"],
-        inputs.row_ids[row],
-        params.verifier.path,
-    )
-    log(
-        STAGE,
-        f"server checked on sample {inputs.row_ids[row]}: largest difference from the store "
-        f"{worst:.2%} of a layer's range (accepted {online.PROBE_TOLERANCE:.0%})",
-    )
 
 
 def _inputs(
@@ -294,7 +194,7 @@ def _inputs(
         # Other weights at the same path start over (stamp: names, sizes, mtimes; no hashing).
         vf.files_stamp(t.init_from) if t.init_from and Path(t.init_from).is_dir() else None,
         # Another world size is another run (a single node keeps its key).
-        *([{"train_nodes": _nodes(params)}] if _nodes(params) > 1 else []),
+        *([{"train_nodes": nodes(params)}] if nodes(params) > 1 else []),
         *([{"fraction": fraction}] if fraction is not None else []),
     )
     own = resume.fingerprint(t.family.model_dump())[:8]  # branches keep each other's scratch
@@ -332,24 +232,6 @@ def _samples(
     return samples, len(rows["train"]), [r["id"] for part in ("train", "val") for r in rows[part]]
 
 
-def _settings(params: Params, inputs: TrainInputs, online_flags: dict | None) -> TrainSettings:
-    settings = TrainSettings.from_params(
-        params.train,
-        data_dir=inputs.data_dir,
-        save_dir=inputs.save_dir,
-        verifier_dir=Path(params.verifier.path),
-        vocab_dir=paths.VOCAB,
-        draft_vocab_size=params.vocab.draft_vocab_size,
-        conventions=inputs.conventions,
-        train_data_ratio=train_data_ratio_for(inputs.n_train, len(inputs.samples)),
-        nodes=_nodes(params),
-        mask_token_id=inputs.mask[0] if inputs.mask else None,
-        store_positions=inputs.positions,
-        verifier_num_layers=inputs.final,
-    )
-    return dataclasses.replace(settings, online_flags=online_flags)
-
-
 def _train(
     params: Params,
     inputs: TrainInputs,
@@ -358,7 +240,8 @@ def _train(
 ) -> None:
     """The training of one process (the only one, or one torchrun worker)."""
     try:
-        _train_process(params, inputs, _settings(params, inputs, online_flags))
+        settings = run_settings(params, inputs, online_flags, online.trainer_key())
+        _train_process(params, inputs, settings)
     except RuntimeError as exc:
         refused = online.refusal(exc, inputs.row_ids, source) if source else None
         if refused is None:
@@ -386,92 +269,12 @@ def _train_process(params: Params, inputs: TrainInputs, settings: TrainSettings)
         )
 
 
-def _nodes(params: Params) -> int:
-    """Training nodes: cluster.training_nodes on a Ray cluster, else this machine alone."""
-    return params.cluster.training_nodes if params.cluster.engine == "ray" else 1
-
-
-def _distributed(params: Params) -> bool:
-    """More than one training process: launched through torchrun."""
-    return params.train.nproc > 1 or _nodes(params) > 1
-
-
-def _launch(params: Params, inputs: TrainInputs, pools: online_pools.Pools | None = None) -> None:
-    """One `_worker_main` per process under torchrun, from the params written to scratch."""
-    spec = inputs.work / "params.json"
-    atomic.write_text(spec, params.model_dump_json())
-    worker = ["--worker", str(spec.resolve())]
-    if params.cluster.engine == "ray":
-        _launch_on_cluster(params, inputs, worker, pools)
-        return
-    cmd = torchrun_command(params.train.nproc, __name__, worker)
-    log(STAGE, f"launching {params.train.nproc} processes ({params.train.strategy}): torchrun")
-    launch_torchrun(cmd)
-
-
-def _launch_on_cluster(
-    params: Params, inputs: TrainInputs, worker: list[str], pools: online_pools.Pools | None
-) -> None:
-    """One torchrun agent per training node (cluster.torchrun), on the training pool when
-    online training has one; record who did what."""
-    from eagle3_pipeline.cluster import engine, preflight, record, torchrun
-
-    c = params.cluster
-    engine.connect(c)
-
-    def before_attempt(number: int) -> None:
-        if number == 1:  # run() tidied the scratch dir already
-            return
-        removed = discard_incomplete(inputs.save_dir)
-        trim_live(inputs.live_dir, inputs.save_dir)
-        done = resume_epoch(inputs.save_dir)
-        log(
-            STAGE,
-            f"cluster: attempt {number} "
-            + (f"resumes after epoch {done}" if done is not None else "starts afresh")
-            + (f" (discarded incomplete: {', '.join(removed)})" if removed else ""),
-        )
-
-    log(
-        STAGE,
-        f"launching {_nodes(params)} nodes x {params.train.nproc} processes "
-        f"({params.train.strategy}): torchrun through Ray",
-    )
-    rec = torchrun.run_across_nodes(
-        c,
-        params.train.nproc,
-        __name__,
-        worker,
-        before_attempt=before_attempt,
-        check_nodes=lambda nodes: preflight.check(nodes, c, params.verifier.path),
-        exclude=frozenset(n.node_id for n in pools.inference) if pools else frozenset(),
-        env_for=pools.trainer_env if pools else lambda node: {},
-        servers_lost=pools.newly_lost if pools else lambda: [],
-    )
-    if pools:
-        rec["online"] = pools.served()
-    record.write(inputs.record_as, rec)
-
-
-def _die_with_agent() -> None:
-    """SIGKILL this worker when its torchrun agent dies (a lost node's agent, SIGKILL included):
-    a worker orphaned by its agent must not write beside the relaunched run."""
-    import ctypes
-    import signal
-
-    parent = os.getppid()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the agent died before the signal was armed
-        os._exit(1)
-
-
 def _worker_main(argv: list[str]) -> int:
     """One torchrun worker: `python -m eagle3_pipeline.stages.train --worker PARAMS_JSON`."""
     if len(argv) != 2 or argv[0] != "--worker":
         print("usage: python -m eagle3_pipeline.stages.train --worker PARAMS_JSON", file=sys.stderr)
         return 2
-    _die_with_agent()
+    die_with_agent()
     params = Params.model_validate_json(Path(argv[1]).read_text())
     if not sys.stdout.isatty():
         os.environ.setdefault("TQDM_DISABLE", "1")

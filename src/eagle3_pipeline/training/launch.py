@@ -1,14 +1,35 @@
-"""Multi-process training: torchrun on one node, signals forwarded, no orphans left behind."""
+"""Multi-process training: torchrun on one node, or one torchrun agent per node of a Ray cluster;
+signals forwarded, no orphans left behind.
+
+`launch` writes the run's params to its scratch folder and starts `python -m MODULE --worker
+PARAMS_JSON` per process (MODULE: the stage's, whose worker entry builds the run again from those
+params). With `cluster.engine: ray` the workers run under one torchrun agent per training node
+(cluster/torchrun.py: c10d rendezvous; a lost node relaunches from the last complete epoch), on
+the training pool when online training has one (training/online_pools.py), and which node did
+what goes into the stage's provenance.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.core import atomic
+from eagle3_pipeline.core.progress import log
+from eagle3_pipeline.training.checkpoints import discard_incomplete, resume_epoch
+from eagle3_pipeline.training.inputs import TrainInputs, nodes
+from eagle3_pipeline.training.metrics import trim_live
 from eagle3_pipeline.training.run import TrainingInterrupted
+
+if TYPE_CHECKING:
+    from eagle3_pipeline.training.online_pools import Pools
+
+STAGE = "train"
 
 
 def torchrun_command(nproc: int, module: str, args: list[str]) -> list[str]:
@@ -62,3 +83,75 @@ def _die_with_parent() -> None:
 
     with contextlib.suppress(OSError, AttributeError):  # not glibc: no parent-death signal
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def launch(
+    params: Params, inputs: TrainInputs, module: str, pools: Pools | None = None
+) -> None:
+    """One worker (`python -m MODULE --worker PARAMS_JSON`) per process under torchrun, from
+    the params written to scratch."""
+    spec = inputs.work / "params.json"
+    atomic.write_text(spec, params.model_dump_json())
+    worker = ["--worker", str(spec.resolve())]
+    if params.cluster.engine == "ray":
+        _launch_on_cluster(params, inputs, module, worker, pools)
+        return
+    cmd = torchrun_command(params.train.nproc, module, worker)
+    log(STAGE, f"launching {params.train.nproc} processes ({params.train.strategy}): torchrun")
+    launch_torchrun(cmd)
+
+
+def _launch_on_cluster(
+    params: Params, inputs: TrainInputs, module: str, worker: list[str], pools: Pools | None
+) -> None:
+    """One torchrun agent per training node (cluster.torchrun), on the training pool when
+    online training has one; record who did what."""
+    from eagle3_pipeline.cluster import engine, preflight, record, torchrun
+
+    c = params.cluster
+    engine.connect(c)
+
+    def before_attempt(number: int) -> None:
+        if number == 1:  # the stage tidied the scratch dir already
+            return
+        removed = discard_incomplete(inputs.save_dir)
+        trim_live(inputs.live_dir, inputs.save_dir)
+        done = resume_epoch(inputs.save_dir)
+        log(
+            STAGE,
+            f"cluster: attempt {number} "
+            + (f"resumes after epoch {done}" if done is not None else "starts afresh")
+            + (f" (discarded incomplete: {', '.join(removed)})" if removed else ""),
+        )
+
+    log(
+        STAGE,
+        f"launching {nodes(params)} nodes x {params.train.nproc} processes "
+        f"({params.train.strategy}): torchrun through Ray",
+    )
+    rec = torchrun.run_across_nodes(
+        c,
+        params.train.nproc,
+        module,
+        worker,
+        before_attempt=before_attempt,
+        check_nodes=lambda found: preflight.check(found, c, params.verifier.path),
+        exclude=frozenset(n.node_id for n in pools.inference) if pools else frozenset(),
+        env_for=pools.trainer_env if pools else lambda node: {},
+        servers_lost=pools.newly_lost if pools else lambda: [],
+    )
+    if pools:
+        rec["online"] = pools.served()
+    record.write(inputs.record_as, rec)
+
+
+def die_with_agent() -> None:
+    """SIGKILL this worker when its torchrun agent dies (a lost node's agent, SIGKILL included):
+    a worker orphaned by its agent must not write beside the relaunched run."""
+    import ctypes
+
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the agent died before the signal was armed
+        os._exit(1)

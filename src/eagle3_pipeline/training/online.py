@@ -114,8 +114,14 @@ def endpoint_for_rank(default: str) -> str:
 
 
 def trainer_env(source: OnlineSource) -> dict[str, str]:
-    """What a trainer process needs to reach `source` (its key: training/run.py sends it)."""
+    """What a trainer process needs to reach `source` (its key: `trainer_key`)."""
     return {API_KEY_VAR: source.api_key} if source.api_key else {}
+
+
+def trainer_key() -> str | None:
+    """The server key this trainer process was given (`trainer_env`, inherited by torchrun's
+    workers), if any: TrainSettings.online_api_key, which speculators' client sends."""
+    return os.environ.get(API_KEY_VAR)
 
 
 def transfer_for(args: argparse.Namespace) -> Any:

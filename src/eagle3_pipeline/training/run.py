@@ -23,14 +23,12 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from eagle3_pipeline.config.families import FamilyParams
 from eagle3_pipeline.config.params import TrainParams
 from eagle3_pipeline.drafter.conventions import RunConventions
-from eagle3_pipeline.serving.chat import API_KEY_VAR
 from eagle3_pipeline.training import layer_view
 from eagle3_pipeline.training.checkpoints import discard_incomplete, exact_resume
 from eagle3_pipeline.training.data import check_layer_count
@@ -61,18 +59,21 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 @dataclass(frozen=True)
 class TrainSettings:
-    """Everything one run needs: train params plus the run's resolved paths and data facts.
+    """Everything one run needs: the train params it was given (`train`: every knob, with its one
+    default, params') plus the run's resolved paths and data facts.
 
     `target_layer_ids` are the aux ids only (the data's final layer is implied).
-    `total_seq_len` is the token budget of one packed batch per process. `train_lm_head`
-    un-freezes the draft lm_head, which speculators always freezes. `fsdp` shards the drafter
-    (torchrun only). `init_from` (a drafter, flat or speculators format) initialises a fresh
-    run. `metrics_every_steps` is speculators' log_freq. The four norm flags and
-    `draft_layer_config` (the init checkpoint's decoder layer; None: speculators shapes one like
-    the verifier) are the run's conventions (drafter.conventions), which speculators saves in
-    the checkpoint's config.json and export passes on.
+    `train.max_tokens_per_batch` is the token budget of one packed batch per process
+    (speculators' total_seq_len). `train.train_lm_head` un-freezes the draft lm_head, which
+    speculators always freezes. `fsdp` shards the drafter (torchrun only). `train.init_from` (a
+    drafter, flat or speculators format) initialises a fresh run. `metrics_every_steps` is
+    speculators' log_freq. The four norm flags and `draft_layer_config` (the init checkpoint's
+    decoder layer; None: speculators shapes one like the verifier) are the run's conventions
+    (drafter.conventions), which speculators saves in the checkpoint's config.json and export
+    passes on.
     """
 
+    train: TrainParams
     data_dir: Path
     verifier_dir: Path
     save_dir: Path
@@ -81,39 +82,27 @@ class TrainSettings:
     draft_vocab_size: int
     target_layer_ids: list[int]
     train_data_ratio: float
-    epochs: int
-    lr: float
-    scheduler: Literal["cosine", "linear", "none"]
-    warmup_ratio: float
-    noise_std: float
-    ttt_steps: int
-    ttt_step_loss_decay: float
-    total_seq_len: int
-    seed: int
-    num_workers: int
     metrics_every_steps: int = 1
-    cpu_dtype: Literal["float32", "bfloat16"] = "float32"
-    train_lm_head: bool = False
-    keep_last: int | None = None
-    grad_accumulation: int = 1
     fsdp: bool = False
-    init_from: Path | None = None
-    init_from_verifier: bool = False
-    verifier_num_layers: int = 0  # where the verifier's last layer is (init_from_verifier)
-    init_vocab_mismatch: Literal["remap", "refuse"] = "remap"
+    verifier_num_layers: int = 0  # where the verifier's last layer is (train.init_from_verifier)
     norm_before_residual: bool = True
     norm_before_fc: bool = True
     fc_norm: bool = False
     norm_output: bool = True
     draft_layer_config: dict[str, Any] | None = None
-    # Online mode: speculators flags (training.online.speculators_flags) merged over the store's.
+    # Online mode: speculators flags (training.online.speculators_flags) merged over the store's,
+    # and the key of the server they name (sent by speculators' client; never shown).
     online_flags: dict[str, Any] | None = None
-    # The drafter family (drafter.families) and, for P-EAGLE and DFlash, its resolved mask token.
-    family: FamilyParams = field(default_factory=FamilyParams)
+    online_api_key: str | None = field(default=None, repr=False)
+    # For P-EAGLE and DFlash (train.family), the resolved mask token.
     mask_token_id: int | None = None
     # Where the run's layers (aux, then final) sit in the store's files; None: the files hold
     # exactly them. A store that also holds other families' layers is read through a view.
     store_positions: list[int] | None = None
+
+    @property
+    def init_from(self) -> Path | None:
+        return Path(self.train.init_from) if self.train.init_from else None
 
     @property
     def draft_config_file(self) -> Path:
@@ -141,6 +130,7 @@ class TrainSettings:
         `t.log_every_steps` thins the log lines only (metrics.MetricsSink). `nodes`: training
         nodes, each running t.nproc processes. `mask_token_id`: drafter.mask_token's choice."""
         return cls(
+            train=t,
             data_dir=data_dir,
             verifier_dir=verifier_dir,
             save_dir=save_dir,
@@ -149,29 +139,11 @@ class TrainSettings:
             draft_vocab_size=draft_vocab_size,
             target_layer_ids=list(conventions.aux_layer_ids),
             train_data_ratio=train_data_ratio,
-            epochs=t.epochs,
-            lr=t.lr,
-            scheduler=t.scheduler,
-            warmup_ratio=t.warmup_ratio,
-            noise_std=t.noise_std,
-            ttt_steps=t.ttt_steps,
-            ttt_step_loss_decay=t.ttt_step_loss_decay,
-            total_seq_len=t.max_tokens_per_batch,
-            seed=t.seed,
-            num_workers=t.num_workers,
             metrics_every_steps=1,
-            cpu_dtype=t.cpu_dtype,
-            train_lm_head=t.train_lm_head,
-            keep_last=t.keep_last,
-            grad_accumulation=t.grad_accumulation,
             fsdp=t.strategy == "fsdp" and t.nproc * nodes > 1,
-            init_from=Path(t.init_from) if t.init_from else None,
-            init_from_verifier=t.init_from_verifier,
             verifier_num_layers=verifier_num_layers,
-            init_vocab_mismatch=t.init_vocab_mismatch,
             **conventions.flags,
             draft_layer_config=conventions.layer_config,
-            family=t.family,
             mask_token_id=mask_token_id,
             store_positions=store_positions,
         )
@@ -190,6 +162,7 @@ def run_training(
     them races). Raises TrainingInterrupted when a signal stopped the run (rerunning resumes).
     """
     _check(s)
+    t = s.train
     apply_shims()
     if "LOCAL_RANK" not in os.environ:
         discard_incomplete(s.save_dir)
@@ -199,20 +172,20 @@ def run_training(
     cfg = build_train_config(s)
     interrupted_model = s.save_dir / "interrupted" / "model.safetensors"
     stamp_before = _mtime_ns(interrupted_model)
-    steps = StepControl(s.grad_accumulation)
+    steps = StepControl(t.grad_accumulation)
     nothing = contextlib.nullcontext()
     with (
         metrics_tap(on_metrics, lambda: steps.grad_norm),
-        lm_head_trainable() if s.train_lm_head else nothing,
-        hidden_state_noise(s.noise_std, s.family.speculator_type) if s.noise_std > 0 else nothing,
-        exact_resume(s.keep_last, exact=not s.fsdp),
+        lm_head_trainable() if t.train_lm_head else nothing,
+        hidden_state_noise(t.noise_std, t.family.speculator_type) if t.noise_std > 0 else nothing,
+        exact_resume(t.keep_last, exact=not s.fsdp),
         steps.patched(),
         sampler_rank_guard(),
         no_progress_bars() if os.environ.get("TQDM_DISABLE") else nothing,
-        online_api_key(os.environ.get(API_KEY_VAR)),  # online mode's server key, if any
+        online_api_key(s.online_api_key),  # online mode's server key, if any
         own_thread_env(),
         init_from_verifier(
-            s.init_from_verifier,
+            t.init_from_verifier,
             s.verifier_dir,
             s.verifier_num_layers,
             s.save_dir,
@@ -221,7 +194,7 @@ def run_training(
         # Last: inside the lm_head un-freezing, after exact_resume tidied the scratch dir.
         init_from_checkpoint(
             s.init_from,
-            s.init_vocab_mismatch,
+            t.init_vocab_mismatch,
             s.save_dir,
             on_init_line,
             run_mapping=str(s.d2t_path.parent),
@@ -229,10 +202,10 @@ def run_training(
     ):
         main(cfg)
 
-    last_epoch_model = s.save_dir / str(s.epochs - 1) / "model.safetensors"
+    last_epoch_model = s.save_dir / str(t.epochs - 1) / "model.safetensors"
     if _mtime_ns(interrupted_model) != stamp_before or not last_epoch_model.is_file():
         raise TrainingInterrupted(
-            f"training stopped by a signal before epoch {s.epochs} finished (speculators saves "
+            f"training stopped by a signal before epoch {t.epochs} finished (speculators saves "
             f"to {s.save_dir / 'interrupted'}); rerun to resume from the last complete epoch"
         )
 
@@ -252,7 +225,8 @@ def untrained_val(s: TrainSettings, scratch: Path) -> dict[str, float]:
 
     apply_shims()
     shutil.rmtree(scratch, ignore_errors=True)
-    twin = dataclasses.replace(s, save_dir=scratch, init_from=None, online_flags=None)
+    train = s.train.model_copy(update={"init_from": None})
+    twin = dataclasses.replace(s, train=train, save_dir=scratch, online_flags=None)
     _write_draft_config(twin)
     found: dict[str, float] = {}
 
@@ -279,11 +253,12 @@ def initial_drafter(s: TrainSettings, on_init_line: Callable[[str], None] = prin
     _write_draft_config(s)
     args = argparse.Namespace(**build_train_config(s).flatten())
     d2t, t2d, draft_vocab_size = parse_vocab_mappings(args)
-    model_class = draft_model_class(s.family.speculator_type)
+    t = s.train
+    model_class = draft_model_class(t.family.speculator_type)
     with (
-        lm_head_trainable() if s.train_lm_head else contextlib.nullcontext(),
+        lm_head_trainable() if t.train_lm_head else contextlib.nullcontext(),
         init_from_checkpoint(
-            s.init_from, s.init_vocab_mismatch, s.save_dir, on_init_line, str(s.d2t_path.parent)
+            s.init_from, t.init_vocab_mismatch, s.save_dir, on_init_line, str(s.d2t_path.parent)
         ),
     ):
         return build_draft_model(args, model_class, t2d, d2t, draft_vocab_size)
@@ -297,12 +272,13 @@ def _write_draft_config(s: TrainSettings) -> None:
 
 def _check(s: TrainSettings) -> None:
     """Refuse settings speculators would accept and then fail on, or silently misuse."""
-    if s.noise_std < 0:
-        raise ValueError(f"noise_std={s.noise_std} must be >= 0")
-    if s.grad_accumulation < 1:
-        raise ValueError(f"grad_accumulation={s.grad_accumulation} must be >= 1")
-    if s.keep_last is not None and s.keep_last < 1:
-        raise ValueError(f"keep_last={s.keep_last} must be >= 1 (or None: keep every epoch)")
+    t = s.train
+    if t.noise_std < 0:
+        raise ValueError(f"noise_std={t.noise_std} must be >= 0")
+    if t.grad_accumulation < 1:
+        raise ValueError(f"grad_accumulation={t.grad_accumulation} must be >= 1")
+    if t.keep_last is not None and t.keep_last < 1:
+        raise ValueError(f"keep_last={t.keep_last} must be >= 1 (or None: keep every epoch)")
     if s.fsdp and "LOCAL_RANK" not in os.environ:
         raise ValueError("fsdp shards the drafter across processes: launch with torchrun")
     check_layer_count(s.data_dir, s.target_layer_ids, s.store_positions)
@@ -312,7 +288,8 @@ def build_train_config(s: TrainSettings) -> Any:
     """speculators' TrainConfig for these settings (also what `speculators train` would get)."""
     from speculators.train.config import TrainConfig
 
-    family = trainer_flags(s.family, s.mask_token_id)
+    t = s.train
+    family = trainer_flags(t.family, s.mask_token_id)
     # EAGLE-3's wiring flags; DFlash has none of them (its decoder is its own).
     wiring = {
         "norm_before_residual": s.norm_before_residual,
@@ -322,10 +299,10 @@ def build_train_config(s: TrainSettings) -> Any:
     }
     flags: dict[str, Any] = {
         "speculator_type": family.pop("speculator_type"),
-        "seed": s.seed,
+        "seed": t.seed,
         "verifier_name_or_path": str(s.verifier_dir),
         "target_layer_ids": list(s.target_layer_ids),
-        **(wiring if s.family.name != "dflash" else {}),
+        **(wiring if t.family.name != "dflash" else {}),
         "draft_vocab_size": s.draft_vocab_size,
         "d2t_path": str(s.d2t_path),
         "t2d_path": str(s.t2d_path),
@@ -336,16 +313,16 @@ def build_train_config(s: TrainSettings) -> Any:
         "hidden_states_backend": "fp8",
         # The default, "generate", would ask a vLLM server for a missing file.
         "on_missing": "raise",
-        "total_seq_len": s.total_seq_len,
+        "total_seq_len": t.max_tokens_per_batch,
         "train_data_ratio": s.train_data_ratio,
-        "num_workers": s.num_workers,
-        "ttt_steps": s.ttt_steps,
-        "ttt_step_loss_decay": s.ttt_step_loss_decay,
+        "num_workers": t.num_workers,
+        "ttt_steps": t.ttt_steps,
+        "ttt_step_loss_decay": t.ttt_step_loss_decay,
         "optimizer": "adamw",
-        "lr": s.lr,
-        "scheduler_type": s.scheduler,
-        "scheduler_warmup_ratio": s.warmup_ratio,
-        "epochs": s.epochs,
+        "lr": t.lr,
+        "scheduler_type": t.scheduler,
+        "scheduler_warmup_ratio": t.warmup_ratio,
+        "epochs": t.epochs,
         "save_path": str(s.save_dir),
         "log_freq": s.metrics_every_steps,
         **family,  # the family's own knobs (none for EAGLE-3)
@@ -354,7 +331,7 @@ def build_train_config(s: TrainSettings) -> Any:
         # The init checkpoint's decoder layer (heads, sizes, rope, eps), not one shaped like the
         # verifier: its tensors only load, and mean what they meant, in that layer.
         flags["draft_config"] = str(s.draft_config_file)
-    elif s.family.name != "dflash":
+    elif t.family.name != "dflash":
         flags |= {"draft_arch": "llama", "num_layers": 1}
     # DFlash: speculators' recipe (a Qwen3-style stack of 5 layers) unless num_layers is set.
     if s.fsdp:
@@ -370,7 +347,7 @@ def build_train_config(s: TrainSettings) -> Any:
         flags |= {
             "draft_attn_impl": "sdpa",
             "loss_implementation": "eager",
-            "hidden_states_dtype": s.cpu_dtype,
+            "hidden_states_dtype": t.cpu_dtype,
         }
     # A backend's own flags (mooncake_*) bypass speculators' schema: in `cli` they would be
     # dropped without a word (online_backend.split_backend_flags).

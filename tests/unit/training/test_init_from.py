@@ -199,6 +199,7 @@ def test_real_training_starts_from_legacy_checkpoint(
 ) -> None:
     """speculators' trainer, 1 epoch at a negligible lr: epoch 0 holds the checkpoint's weights
     (bf16, as both are saved); a second run resumes and leaves init_from alone."""
+    from eagle3_pipeline.config.params import TrainParams
     from eagle3_pipeline.training.data import (
         TrainingSample,
         train_data_ratio_for,
@@ -224,7 +225,24 @@ def test_real_training_starts_from_legacy_checkpoint(
     np.save(tmp_path / "d2t.npy", d2t.numpy())
     np.save(tmp_path / "t2d.npy", t2d.numpy())
     save_dir = tmp_path / "ckpt"
+    train = TrainParams(
+        epochs=1,
+        lr=1e-12,
+        scheduler="none",
+        warmup_ratio=0.0,
+        noise_std=0.0,
+        ttt_steps=2,
+        ttt_step_loss_decay=1.0,
+        max_tokens_per_batch=96,
+        seed=0,
+        num_workers=0,
+        train_lm_head=False,
+        keep_last=None,
+        init_from=str(legacy["same"]),
+        init_vocab_mismatch="refuse",
+    )
     settings = TrainSettings(
+        train=train,
         data_dir=tmp_path / "data",
         verifier_dir=verifier,
         save_dir=save_dir,
@@ -233,18 +251,6 @@ def test_real_training_starts_from_legacy_checkpoint(
         draft_vocab_size=len(RUN_IDS),
         target_layer_ids=AUX,
         train_data_ratio=train_data_ratio_for(4, 6),
-        epochs=1,
-        lr=1e-12,
-        scheduler="none",
-        warmup_ratio=0.0,
-        noise_std=0.0,
-        ttt_steps=2,
-        ttt_step_loss_decay=1.0,
-        total_seq_len=96,
-        seed=0,
-        num_workers=0,
-        init_from=legacy["same"],
-        init_vocab_mismatch="refuse",
     )
     lines: list[str] = []
     run_training(settings, on_metrics=None, on_init_line=lines.append)
@@ -256,7 +262,8 @@ def test_real_training_starts_from_legacy_checkpoint(
         assert torch.equal(trained[name], tensor), name
 
     lines.clear()
-    run_training(replace(settings, epochs=2), on_metrics=None, on_init_line=lines.append)
+    twice = replace(settings, train=train.model_copy(update={"epochs": 2}))
+    run_training(twice, on_metrics=None, on_init_line=lines.append)
     assert lines and "resuming from" in lines[0]
     assert (save_dir / "1" / "model.safetensors").is_file()
 

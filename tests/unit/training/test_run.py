@@ -32,7 +32,6 @@ NOT_SETTINGS = {
     "family": "as is (test_family_reaches_settings; excludes init_from, so not in NON_DEFAULT)",
     "init_from_verifier": "as is (test_init_from_verifier_reaches_settings; excludes init_from)",
 }
-RENAMED = {"max_tokens_per_batch": "total_seq_len"}
 # A value unlike the default for each carried field, so a forgotten one shows.
 NON_DEFAULT = {
     "epochs": 7,
@@ -78,19 +77,19 @@ def _settings_from(
     )
 
 
-def test_settings_carry_every_train_param() -> None:
-    """A new TrainParams knob fails here until it is carried (or listed in NOT_SETTINGS)."""
+def test_settings_hold_the_train_params_given() -> None:
+    """TrainSettings holds the TrainParams it was given: every knob, with params' one default;
+    no settings field repeats a knob (a new knob needs no second default)."""
     assert set(TrainParams.model_fields) == set(NON_DEFAULT) | set(NOT_SETTINGS)
     defaults = TrainParams()
     for name, value in NON_DEFAULT.items():
         assert getattr(defaults, name) != value, f"NON_DEFAULT[{name!r}] is the default"
-    settings = _settings_from(TrainParams(**NON_DEFAULT))
+    t = TrainParams(**NON_DEFAULT)
+    settings = _settings_from(t)
+    assert settings.train is t
     fields = {f.name for f in dataclasses.fields(TrainSettings)}
-    for name, value in NON_DEFAULT.items():
-        field = RENAMED.get(name, name)
-        assert field in fields, f"train.{name} does not reach TrainSettings"
-        expected = Path(value) if name == "init_from" else value
-        assert getattr(settings, field) == expected, name
+    assert not fields & set(TrainParams.model_fields)
+    assert settings.init_from == Path(NON_DEFAULT["init_from"])
     assert settings.d2t_path == Path("data/vocab/d2t.npy")
     assert settings.t2d_path == Path("data/vocab/t2d.npy")
     assert settings.metrics_every_steps == 1  # every step to DVCLive
@@ -98,14 +97,14 @@ def test_settings_carry_every_train_param() -> None:
 
 def test_init_from_verifier_reaches_settings() -> None:
     settings = _settings_from(TrainParams(init_from_verifier=True))
-    assert settings.init_from_verifier and settings.init_from is None
+    assert settings.train.init_from_verifier and settings.init_from is None
 
 
 def test_family_reaches_settings() -> None:
     from eagle3_pipeline.config.families import FamilyParams
 
     family = FamilyParams(name="dflash", block_size=4)
-    assert _settings_from(TrainParams(family=family)).family == family
+    assert _settings_from(TrainParams(family=family)).train.family == family
 
 
 def test_settings_carry_conventions(tmp_path: Path) -> None:
@@ -134,7 +133,7 @@ def test_settings_fsdp_only_with_processes() -> None:
 
 
 def test_train_config_carries_the_settings(inputs: dict[str, Any], tmp_path: Path) -> None:
-    s = tiny_settings(inputs, tmp_path, epochs=4, lr=1e-4, seed=3, total_seq_len=300)
+    s = tiny_settings(inputs, tmp_path, epochs=4, lr=1e-4, seed=3, max_tokens_per_batch=300)
     cfg = build_train_config(s)
     dumped = json.dumps(cfg.model_dump(mode="json"))
     for value in ("0.0001", '"seed": 3', "300", str(s.save_dir), str(s.d2t_path)):

@@ -80,7 +80,7 @@ def test_grad_accumulation_steps_every_nth_batch(inputs: dict[str, Any], tmp_pat
     for n in (1, 3):
         run = tmp_path / f"acc{n}"
         run.mkdir()
-        metrics = train_tiny(inputs, run, grad_accumulation=n, total_seq_len=128)
+        metrics = train_tiny(inputs, run, grad_accumulation=n, max_tokens_per_batch=128)
         train = [m for _, m in metrics if "train" in m]
         stepped = [i for i, m in enumerate(train) if "grad_norm" in m]
         assert all(math.isfinite(train[i]["grad_norm"]) for i in stepped)
