@@ -5,12 +5,11 @@
    on the same disk. Target >= 80%.
 2. extraction overhead: `extract.run` (hf backend) wall time vs model load + bare forward passes
    of the same batches, on the tiny verifier and tokenized data of this repo. Target <= 10%.
-3. DVC: `dvc status` and no-op `dvc repro` with a 10,000-file store output in a temp git+dvc repo
-   (cache.type hardlink,symlink as .dvc/config).
-4. reader: samples/s and MB/s through the reader the trainer uses (hs_connectors' FP8Transfer,
+3. reader: samples/s and MB/s through the reader the trainer uses (hs_connectors' FP8Transfer,
    speculators' hidden_states_backend "fp8"), vs the trainer's tokens/s in metrics/train.
 
-Prints a table and writes bench/results/store.json. Runs in a few minutes on 2 cores.
+Prints a table and writes bench/results/store.json. Runs in a few minutes on 2 cores. DVC with a
+10,000-file store: bench/bench_dvc.py.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
@@ -37,7 +35,6 @@ from eagle3_pipeline.store import format as store  # noqa: E402
 RESULTS = REPO / "bench/results/store.json"
 VENV_BIN = Path(sys.executable).parent
 KIMI = {"layers": 4, "hidden": 7168, "seq": 512, "files": 16, "batch": 4}
-DVC_FILES = 10_000
 
 
 def _timed(fn, *args, **kw) -> tuple[float, object]:
@@ -296,66 +293,6 @@ def bench_fp8_error() -> dict | None:
     }
 
 
-def bench_dvc(tmp: Path) -> dict:
-    repo = tmp / "dvcrepo"
-    repo.mkdir()
-    env = os.environ | {
-        "DVC_NO_ANALYTICS": "1",
-        "DVC_SITE_CACHE_DIR": str(tmp / "dvc-site"),
-        "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
-        "GIT_AUTHOR_NAME": "b",
-        "GIT_AUTHOR_EMAIL": "b@b",
-        "GIT_COMMITTER_NAME": "b",
-        "GIT_COMMITTER_EMAIL": "b@b",
-    }
-
-    def sh(*cmd: str) -> float:
-        t, done = _timed(subprocess.run, cmd, cwd=repo, env=env, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(cmd)}: {done.stdout}{done.stderr}")
-        return t
-
-    sh("git", "init", "-q")
-    sh("dvc", "init", "-q")
-    sh("dvc", "config", "cache.type", "hardlink,symlink")
-    sh("dvc", "config", "core.checksum_jobs", "2")
-    (repo / "make_store.py").write_text(
-        "import os, sys\n"
-        "os.makedirs('store', exist_ok=True)\n"
-        f"for i in range({DVC_FILES}):\n"
-        "    with open(f'store/s{i:05d}.safetensors', 'wb') as f:\n"
-        "        f.write(os.urandom(4096))\n"
-    )
-    (repo / "dvc.yaml").write_text(
-        yaml.safe_dump(
-            {
-                "stages": {
-                    "store": {
-                        "cmd": f"{sys.executable} make_store.py",
-                        "deps": ["make_store.py"],
-                        "outs": ["store"],
-                    }
-                }
-            }
-        )
-    )
-    first = sh("dvc", "repro", "-q")
-    sh("git", "add", "-A")
-    sh("git", "commit", "-qm", "store")
-    status = [sh("dvc", "status", "-q") for _ in range(2)]
-    noop = [sh("dvc", "repro", "-q") for _ in range(2)]
-    ino = os.stat(next((repo / "store").iterdir())).st_nlink
-    return {
-        "files": DVC_FILES,
-        "first_repro_s": first,
-        "status_s": min(status),
-        "noop_repro_s": min(noop),
-        "status_runs_s": status,
-        "noop_runs_s": noop,
-        "workspace_file_links": ino,  # 2: the workspace file IS the cache object (no copy)
-    }
-
-
 def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-store-"))
     data_dir = REPO / "data" if (REPO / "data").exists() else REPO
@@ -370,7 +307,6 @@ def main() -> int:
         results["reader"] = bench_reader(tmp, trainer_rate())
         results["fp8_error"] = bench_fp8_error()
         results["extract"] = bench_extract(tmp)
-        results["dvc"] = bench_dvc(tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     results["bench_s"] = time.perf_counter() - t0
@@ -382,7 +318,7 @@ def main() -> int:
 
 
 def render(r: dict) -> str:
-    w, rd, ex, dv = r["writer"], r["reader"], r["extract"], r["dvc"]
+    w, rd, ex = r["writer"], r["reader"], r["extract"]
     lines = [
         f"{'measure':<52} {'value':>14}  target",
         f"{'dd bs=4M conv=fsync (same bytes, same disk)':<52} {w['dd_MBps']:>10.0f} MB/s",
@@ -407,13 +343,6 @@ def render(r: dict) -> str:
         lines.append(
             f"{'  padding fraction of the batch plan':<52} {ex['padding_fraction']:>13.1%}"
         )
-    status_label = f"dvc status, {dv['files']:,}-file store unchanged"
-    lines += [
-        f"{status_label:<52} {dv['status_s']:>12.2f} s",
-        f"{'no-op dvc repro, same store':<52} {dv['noop_repro_s']:>12.2f} s",
-        f"{'first dvc repro (write + hash + commit by hardlink)':<52} "
-        f"{dv['first_repro_s']:>12.2f} s",
-    ]
     for name, v in rd.items():
         if isinstance(v, dict):
             lines.append(

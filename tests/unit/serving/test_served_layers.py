@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_pipeline.core.errors import ServerError
-from eagle3_pipeline.serving.served_with import aux_layers, check_aux_layers
+from eagle3_pipeline.serving.served_with import aux_layers, check_aux_layers, served_with
 
 V1 = (
     "(Worker pid=2918) INFO 12-03 13:40:22 [gpu_model_runner.py:5243] Using auxiliary layers "
@@ -44,3 +44,23 @@ def test_other_layers_than_trained_are_refused(
     log.write_text("nothing logged")
     assert check_aux_layers(log, [2, 30, 58], tmp_path / "d", "evaluate") is None
     assert "served layers not checked" in capsys.readouterr().out
+
+
+def test_served_with_reads_runner_and_backends_from_the_server_log() -> None:
+    log = (
+        "(Worker_TP0 pid=1) INFO Using FLASH_ATTN_MLA attention backend out of potential "
+        "backends: ['FLASH_ATTN_MLA', 'FLASHMLA'].\n"
+        "(Worker_TP1 pid=2) INFO Using 'HUMMING' WNA16 MoE backend.\n"
+        "INFO Using TRITON Unquantized MoE backend out of potential backends: ['TRITON'].\n"
+        "compilation_config={'pass_config': {'fuse_allreduce_rms': True}}\n"
+    )
+    got = served_with(log)
+    assert got == {
+        "runner": "Model Runner V2",
+        "attention": "FLASH_ATTN_MLA",
+        "moe": "HUMMING,TRITON",
+        "allreduce+rmsnorm fusion": "True",
+    }
+    cpu = "WARNING Model Runner V2 requires Triton; using the V1 model runner instead.\n"
+    assert served_with(cpu)["runner"] == "V1 (MRV2 requires Triton)"
+    assert served_with("")["attention"] == "not logged"
