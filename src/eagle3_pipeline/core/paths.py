@@ -1,6 +1,6 @@
 """Every path the pipeline reads or writes, relative to the repo root, defined once.
 
-dvc.yaml names the same paths; tests/unit/test_paths.py checks that the two agree. Params keep
+dvc.yaml names the same paths; tests/unit/core/test_paths.py checks that the two agree. Params keep
 their own defaults (`verifier.path`, `prepare.prompts`): those are the user's to move.
 """
 

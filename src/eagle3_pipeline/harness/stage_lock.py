@@ -31,7 +31,8 @@ from eagle3_pipeline.core.errors import PipelineError
 
 LOCKS = paths.SCRATCH / "locks"
 
-# Each stage's DVC outputs (dvc.yaml `outs` and `metrics`; tests/unit/test_stage_lock.py checks).
+# Each stage's DVC outputs (dvc.yaml `outs` and `metrics`; tests/unit/harness/test_stage_lock.py
+# checks).
 STAGE_OUTPUTS: dict[str, tuple[Path, ...]] = {
     "check": (paths.CHECKED,),
     "verifier": (paths.VERIFIER,),

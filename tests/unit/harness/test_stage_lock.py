@@ -16,7 +16,7 @@ import yaml
 from eagle3_pipeline.core import paths
 from eagle3_pipeline.harness import stage_lock
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EAGLE3 = str(Path(sys.executable).with_name("eagle3"))
 HOLDER = (
     "import sys, time\n"

@@ -11,7 +11,7 @@ from eagle3_pipeline.conversations import prompt_files
 from eagle3_pipeline.conversations.formats import Unusable, normalize, read
 from eagle3_pipeline.core.errors import DataError
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures/prompts"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures/prompts"
 
 TOOLS = [
     {

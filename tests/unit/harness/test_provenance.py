@@ -16,7 +16,7 @@ from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import ParamsError
 from eagle3_pipeline.harness import provenance
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _env() -> dict[str, str]:

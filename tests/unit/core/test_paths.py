@@ -8,7 +8,7 @@ import yaml
 
 from eagle3_pipeline.core import paths
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # Paths the pipeline uses that are not DVC outputs or deps, and why.
 NOT_IN_DVC_YAML = {
     "METRICS": "the folder of every metrics file; dvc.yaml names the files",

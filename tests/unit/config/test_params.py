@@ -11,7 +11,7 @@ from eagle3_pipeline.cli import main
 from eagle3_pipeline.config.params import load_params
 from eagle3_pipeline.core.errors import ParamsError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _write(tmp_path: Path, mutate) -> Path:

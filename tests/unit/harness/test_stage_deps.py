@@ -13,7 +13,7 @@ from eagle3_pipeline.config.params import load_params
 from eagle3_pipeline.core.errors import ParamsError
 from eagle3_pipeline.harness import stage_deps
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "scripts"))
 import dvc_deps  # noqa: E402
 
