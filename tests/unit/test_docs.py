@@ -260,3 +260,25 @@ def test_cluster_templates_name_what_exists(template: Path) -> None:
     if template.suffix == ".yaml":
         (job,) = yaml.safe_load_all(text)
         assert job["kind"] == "RayJob" and "make train" in job["spec"]["entrypoint"]
+
+
+def test_architecture_tree_names_every_module() -> None:
+    """docs/architecture.md's tree is the one annotated tree of the package: each package with
+    every module it holds, nothing that is gone."""
+    tree = FENCE.findall(doc_text(REPO / "docs/architecture.md"))[0]
+    listed: dict[str, set[str]] = {}
+    package = ""
+    for line in tree.splitlines()[1:]:
+        if m := re.match(r"^  (\w+)/\s", line):
+            package = m.group(1)
+        elif re.match(r"^  \w+\.py\s", line):
+            package = ""
+        listed.setdefault(package, set()).update(re.findall(r"\b(\w+)\.py\b", line))
+    pkg = REPO / "src/eagle3_pipeline"
+    have = {
+        p.name: {f.stem for f in p.glob("*.py")} - {"__init__"}
+        for p in pkg.iterdir()
+        if (p / "__init__.py").is_file()
+    }
+    have[""] = {p.stem for p in pkg.glob("*.py")} - {"__init__"}
+    assert listed == have, "update docs/architecture.md's tree to the package as it is"

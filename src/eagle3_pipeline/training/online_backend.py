@@ -3,7 +3,7 @@
 `train.online.backend` picks the hs_connectors backend that speculators' dataloader reads the
 server's hidden states through: `file` (the server writes safetensors files the trainer reads: one
 machine or a shared filesystem) or `mooncake` (a Mooncake store: vLLM on one machine, the trainer
-on another, no shared disk; docs/online-mooncake.md). `speculators_flags` and `mooncake_env` are
+on another, no shared disk; docs/online.md). `speculators_flags` and `mooncake_env` are
 pure; `backend_dests` asks hs_connectors' registry.
 
 speculators keeps a backend's own flags (`mooncake_*`, `hidden_states_path`) outside its pydantic
