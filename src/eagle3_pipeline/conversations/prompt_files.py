@@ -11,7 +11,7 @@
 
 A file that cannot be read as what its suffix says (bad JSON, bytes that are not UTF-8, a damaged
 parquet file) is fatal: one DataError naming the file, the line and the fix. What a row holds is
-conversations.py's business.
+formats.py's business.
 """
 
 from __future__ import annotations

@@ -153,7 +153,7 @@ def paired_rounds(
 
 
 def speculative_config(drafter: str | Path, k: int, family: str = "eagle3") -> dict[str, Any]:
-    """vLLM's speculative config for a drafter of `family` (drafter.families).
+    """vLLM's speculative config for a drafter of `family` (config/families.py).
 
     The method is always named: without one vLLM guesses it from the folder's name and
     otherwise serves the drafter as a draft model, whose every request then fails. P-EAGLE is

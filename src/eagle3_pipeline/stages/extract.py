@@ -17,7 +17,7 @@ writer or in vLLM's connector) ends the stage at once with the OS's reason, the 
 space and what is still to write (disk.py); the journal keeps what was complete.
 
 Batching and the backends (extract.backend: `hf` hooks or vLLM's `extract_hidden_states`) are in
-extraction.py, shared with `eagle3 probe-layers`; both backends hand [seq, n_ids, hidden] per
+store/extraction.py, shared with `eagle3 probe-layers`; both backends hand [seq, n_ids, hidden] per
 sample to the same store writer.
 """
 

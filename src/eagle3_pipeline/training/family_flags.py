@@ -1,6 +1,6 @@
 """A family's flags for speculators' trainer, and the model class its training steps call.
 
-Training code, apart from the schema (drafter.families, a params dependency of every stage), so
+Training code, apart from the schema (config/families.py, a params dependency of every stage), so
 that editing it reruns train only.
 """
 

@@ -152,7 +152,7 @@ def serving_nodes(
     driver passes it, set to anything but 0: two such servers failed on a namespaced local
     cluster, the master expired one server's client and its puts were lost) and any GPU server
     (not run yet). Our CPU servers keep the worker inside the engine core process by default
-    (serving/server.py), and two of them serve."""
+    (serving/server_entry.py), and two of them serve."""
     own_worker_process = num_gpus > 0 or not cpu_worker_in_engine_core(env)
     return inference[:1] if mooncake and own_worker_process else list(inference)
 
