@@ -39,7 +39,7 @@ def server_pids(port: int) -> list[int]:
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
-                if b"eagle3_pipeline.serving.server" in argv and str(port).encode() in argv:
+                if b"eagle3_pipeline.serving.server_entry" in argv and str(port).encode() in argv:
                     found.append(int(entry.name))
     return found
 
