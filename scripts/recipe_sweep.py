@@ -75,7 +75,8 @@ def main() -> int:
     ap.add_argument("variants", nargs="+", help="NAME:key=value,key=value (base: no change)")
     args = ap.parse_args()
     base = yaml.safe_load((REPO / args.params).read_text())
-    results = json.loads(OUT.read_text()) if OUT.is_file() else {}
+    saved = json.loads(OUT.read_text()) if OUT.is_file() else {}
+    results = saved.setdefault("runs", {})
     for text in args.variants:
         variant, overrides = parse_variant(text)
         name = f"{variant}@{args.fraction}"
@@ -108,7 +109,7 @@ def main() -> int:
             "wall_s": round(time.monotonic() - t0, 1),
         }
         OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps(results, indent=2) + "\n")
+        OUT.write_text(json.dumps(saved, indent=2) + "\n")
         print(f"{name}: tau {record['tau']:.3f} in {results[name]['wall_s']:.0f} s", flush=True)
     print("| variant | fraction | train tokens | overrides | offline tau | val tau by epoch | s |")
     print("|---|---|---|---|---|---|---|")
