@@ -9,8 +9,8 @@ is `NAME:key=value,key=value` over params.yaml (values parsed as YAML; `base` = 
 runs `eagle3 vocab` when the variant changes `vocab.*` (restored afterwards), then `eagle3 train
 --fraction F` and `eagle3 curve --measure F` with a params file of its own, and records the
 offline mean acceptance length, the val acceptance per epoch and the wall time. Results go to
-bench/results/recipe.json as they come (a variant already there is not rerun) and print as a
-table; docs/training.md holds the measured table and the choice made from it.
+bench/results/recipe.json as they come, keyed NAME@FRACTION (one already there is not rerun),
+and print as a table; docs/training.md holds the measured table and the choice made from it.
 """
 
 from __future__ import annotations
@@ -75,13 +75,15 @@ def main() -> int:
     ap.add_argument("variants", nargs="+", help="NAME:key=value,key=value (base: no change)")
     args = ap.parse_args()
     base = yaml.safe_load((REPO / args.params).read_text())
-    results = json.loads(OUT.read_text()) if OUT.is_file() else {}
+    saved = json.loads(OUT.read_text()) if OUT.is_file() else {}
+    results = saved.setdefault("runs", {})
     for text in args.variants:
-        name, overrides = parse_variant(text)
+        variant, overrides = parse_variant(text)
+        name = f"{variant}@{args.fraction}"
         if name in results:
             continue
         params = with_overrides(base, overrides, args.fraction)
-        path = REPO / f"data/.work/recipe/{name}.yaml"
+        path = REPO / f"data/.work/recipe/{variant}-{args.fraction}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(params, sort_keys=False))
         touches_vocab = any(k.startswith("vocab.") for k in overrides)
@@ -98,6 +100,7 @@ def main() -> int:
             (REPO / f"metrics/fractions/{args.fraction}/eval.json").read_text()
         )
         results[name] = {
+            "variant": variant,
             "overrides": overrides,
             "fraction": args.fraction,
             "train_tokens": record["train_tokens"],
@@ -106,14 +109,17 @@ def main() -> int:
             "wall_s": round(time.monotonic() - t0, 1),
         }
         OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps(results, indent=2) + "\n")
+        OUT.write_text(json.dumps(saved, indent=2) + "\n")
         print(f"{name}: tau {record['tau']:.3f} in {results[name]['wall_s']:.0f} s", flush=True)
-    print("| variant | overrides | offline tau | val tau by epoch | wall s |")
-    print("|---|---|---|---|---|")
+    print("| variant | fraction | train tokens | overrides | offline tau | val tau by epoch | s |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         overrides = ", ".join(f"{k}={v}" for k, v in r["overrides"].items()) or "-"
         epochs = " ".join(f"{t:.2f}" for t in r["val_tau_by_epoch"])
-        print(f"| {name} | {overrides} | {r['tau']:.3f} | {epochs} | {r['wall_s']:.0f} |")
+        print(
+            f"| {name.split('@')[0]} | {r['fraction']} | {r['train_tokens']:,} | {overrides} | "
+            f"{r['tau']:.3f} | {epochs} | {r['wall_s']:.0f} |"
+        )
     return 0
 
 

@@ -25,7 +25,7 @@ def test_appending_to_a_prompt_file_outside_the_repo_reruns_prepare(tmp_path: Pa
     repo = tmp_path / "repo"
     repo.mkdir()
     make_repo(repo, {"prepare": {"prompts": str(prompts), "val_ratio": 0.1}})
-    run_in(repo, "dvc", "repro", "--single-item", "prepare")
+    run_in(repo, "dvc", "repro", "prepare")  # and what it reads: check, verifier, synthesize
     assert "up to date" in run_in(repo, "dvc", "status", "prepare")
 
     with prompts.open("a") as fh:

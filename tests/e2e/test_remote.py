@@ -19,11 +19,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pipeline_repo import FAMILIES, commit, tiny_pipeline
+from pipeline_repo import CURVE, FAMILIES, commit, tiny_pipeline
 
 pytestmark = pytest.mark.slow
 BUCKET = "eagle3-test"
-STAGES = ("verifier", "prepare", "generate", "tokenize", "extract", "vocab", "train", "export")
+STAGES = (
+    *("check", "verifier", "synthesize", "prepare", "generate"),
+    *("tokenize", "extract", "vocab", "train", "export"),
+)
 FAKE_SECRET = "fake-secret-never-in-a-file"
 
 
@@ -188,9 +191,12 @@ def test_local_remote_round_trip_nothing_reruns(
 ) -> None:
     clone = _clone_on_local_remote(teammate, local_remote, tmp_path / "clone")
     _dvc(clone, "pull")
-    # 9 outputs of the main DAG, and each families branch's drafter and training curves
-    assert _present(clone) == _present(teammate) and len(_present(clone)) == 9 + 2 * len(FAMILIES)
+    # 11 outputs of the main DAG; each families branch's and each curve fraction's drafter and
+    # training curves
+    branches = len(FAMILIES) + len(CURVE["fractions"])
+    assert _present(clone) == _present(teammate) and len(_present(clone)) == 11 + 2 * branches
     assert {f"models/families/{name}" for name in FAMILIES} <= _present(clone)
+    assert {f"models/curve/{f}" for f in CURVE["fractions"]} <= _present(clone)
     _assert_nothing_reruns(clone)
     assert (clone / "dvc.lock").read_bytes() == (teammate / "dvc.lock").read_bytes()
 
@@ -208,7 +214,9 @@ def test_partial_pulls(teammate: Path, local_remote: Path, tmp_path: Path) -> No
     # --with-deps: also everything upstream, i.e. all training needs to rerun
     _dvc(clone, "pull", "--with-deps", "train")
     upstream = {
+        "data/checked",
         "data/verifier",
+        "data/synthesized",
         "data/prepared",
         "data/generated",
         "data/tokenized",

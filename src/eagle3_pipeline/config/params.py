@@ -475,6 +475,16 @@ class Params(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _curve_reads_the_store(self) -> Params:
+        """Refused at load (the check stage, first): not at curve_train, after the long stages."""
+        if self.curve.fractions and self.train.hidden_states == "online":
+            raise ValueError(
+                "curve.fractions trains on the hidden-state store, which train.hidden_states: "
+                "online does not write: set curve.fractions: [] or train.hidden_states: store"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _tiny_layer_ids(self, info: ValidationInfo) -> Params:
         """Check layer ids and vocab sizes against the tiny verifier's shape, known from params."""
         if self.verifier.source == "tiny":

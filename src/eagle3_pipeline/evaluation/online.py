@@ -230,15 +230,17 @@ def online_section(
     baseline: RunResult,
     spec: RunResult,
     k: int,
-    timed: dict[int, Paired],
-    concurrency: int,
-    max_spread: float,
+    timed: dict[int, Paired] | None = None,
+    concurrency: int = 1,
+    max_spread: float = 0.0,
 ) -> dict[str, Any]:
     """The `online` block of metrics/eval.json: acceptance and output tokens of the full passes,
-    tokens/s and the speed-up of the paired rounds at `concurrency` (evaluation/speedup.py);
+    tokens/s and the speed-up of the paired rounds at `concurrency` (evaluation/speedup.py; with
+    no `timed` rounds, the full passes alone: no speed-up figure);
     `by_concurrency` (keyed by the concurrency as a string) when the pair was timed at more than
     one, each row's acceptance counted over the drafter's rounds there (the full pass's at
     `concurrency`)."""
+    timed = timed or {concurrency: Paired(concurrency, 0)}
     section = {
         "num_prompts": len(spec.texts),
         **served_acceptance(spec.counters, k),

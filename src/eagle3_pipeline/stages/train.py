@@ -135,11 +135,6 @@ def run_fraction(params: Params, fraction: float) -> None:
             f"params.yaml: field 'curve.fractions': {fraction} is not one of "
             f"{params.curve.fractions}: add it, or train a listed fraction"
         )
-    if params.train.hidden_states != "store":
-        raise ParamsError(
-            "params.yaml: curve.fractions trains on the hidden-state store: set "
-            "train.hidden_states: store, or curve.fractions: []"
-        )
     run(params, Outputs.of_fraction(fraction), fraction=fraction)
 
 

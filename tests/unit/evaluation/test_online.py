@@ -78,6 +78,15 @@ def test_online_section() -> None:
     assert "by_concurrency" not in section
 
 
+def test_online_section_of_the_full_passes_alone_has_no_speedup() -> None:
+    baseline = fake_run([[1, 2, 3]] * 3, wall=2.0, drafts=0, accepted=0)
+    spec = fake_run([[1, 2, 3]] * 3, wall=1.0, drafts=6, accepted=3)
+    section = oe.online_section(baseline, spec, K)
+    assert section["mean_acceptance_length"] == pytest.approx(1.5)
+    assert section["speedup"] is None and section["speedup_trusted"] is False
+    assert section["tokens_per_s"] is None
+
+
 def test_spec_run_without_counters_is_an_error(tmp_path: Path) -> None:
     def fake(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
         return fake_run([[1]], wall=1.0, drafts=0, accepted=0)

@@ -75,6 +75,16 @@ def test_last_months_params_are_refused_before_anything_is_written(workspace: Pa
     assert not OUTPUT.exists()
 
 
+def test_a_learning_curve_without_a_store_is_refused_at_load(workspace: Path) -> None:
+    """Online training writes no store for curve_train to read: told at check, before work."""
+    _edit(workspace / "params.yaml", "train", "hidden_states", "online")
+    _edit(workspace / "params.yaml", "curve", "fractions", [0.5])
+    with pytest.raises(ParamsError, match="params.yaml: curve.fractions trains on the hidden"):
+        load_params("params.yaml")
+    _edit(workspace / "params.yaml", "curve", "fractions", [])
+    assert load_params("params.yaml").train.hidden_states == "online"
+
+
 def test_pretrained_verifier_vllm_cannot_capture_is_refused(workspace: Path) -> None:
     folder = workspace / "models/gemma2"
     folder.mkdir(parents=True)
