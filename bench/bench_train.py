@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO / "src"))
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from eagle3_pipeline.config.params import TrainParams  # noqa: E402
+from eagle3_pipeline.config.training_params import TrainParams  # noqa: E402
 from eagle3_pipeline.core import atomic, readers  # noqa: E402
 from eagle3_pipeline.store import format as store  # noqa: E402
 from eagle3_pipeline.training.data import (  # noqa: E402

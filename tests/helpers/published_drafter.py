@@ -178,7 +178,7 @@ def start_of_training(
     root: Path, verifier: Path, init_from: Path, conventions: Any, name: str
 ) -> Any:
     """The drafter speculators' trainer starts from under `conventions` (no step taken)."""
-    from eagle3_pipeline.config.params import TrainParams
+    from eagle3_pipeline.config.training_params import TrainParams
     from eagle3_pipeline.training.run import TrainSettings, initial_drafter
 
     train = TrainParams(

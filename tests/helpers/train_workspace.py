@@ -194,7 +194,7 @@ def build_run_inputs(root: Path) -> dict[str, Any]:
 def tiny_settings(inputs: dict[str, Any], run_dir: Path, **overrides: Any) -> Any:
     """TrainSettings for one epoch on `build_run_inputs`, data and checkpoints in run_dir;
     `overrides` name train knobs (TrainParams fields) or settings fields."""
-    from eagle3_pipeline.config.params import TrainParams
+    from eagle3_pipeline.config.training_params import TrainParams
     from eagle3_pipeline.training.data import train_data_ratio_for
     from eagle3_pipeline.training.run import TrainSettings
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.cluster.local import auth_env, read_state
-from eagle3_pipeline.config.params import ClusterParams
+from eagle3_pipeline.config.training_params import ClusterParams
 from eagle3_pipeline.core.errors import PipelineError
 
 # What a worker's command inherits from the driver: the run's settings, never credentials.

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from eagle3_pipeline.cluster import engine
-from eagle3_pipeline.config.params import ClusterParams
+from eagle3_pipeline.config.training_params import ClusterParams
 from eagle3_pipeline.core import atomic, paths
 from eagle3_pipeline.core.errors import PipelineError
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from eagle3_pipeline.cluster import engine
-from eagle3_pipeline.config.params import ClusterParams
+from eagle3_pipeline.config.training_params import ClusterParams
 from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.serving import server as vllm_server

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from eagle3_pipeline.cluster import engine
-from eagle3_pipeline.config.params import ClusterParams
+from eagle3_pipeline.config.training_params import ClusterParams
 from eagle3_pipeline.core.errors import PipelineError
 from eagle3_pipeline.core.progress import log
 

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.config.params import OnlineParams, Params
+from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.config.training_params import OnlineParams
 from eagle3_pipeline.core.errors import DataError, ServerError, VerifierError
 from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.serving import auth

@@ -18,7 +18,7 @@ import argparse
 from functools import cache
 from typing import Any
 
-from eagle3_pipeline.config.params import OnlineParams
+from eagle3_pipeline.config.training_params import OnlineParams
 
 # hs_connectors reads the address a client registers with the master from this variable, else
 # the address the host's own name resolves to (often 127.0.1.1 on Debian/Ubuntu: unreachable

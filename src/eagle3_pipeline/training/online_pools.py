@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eagle3_pipeline.cluster import engine
-from eagle3_pipeline.config.params import ClusterParams, OnlineParams, Params
+from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.config.training_params import ClusterParams, OnlineParams
 from eagle3_pipeline.core.errors import ParamsError, ServerError
 from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.serving import auth

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.config.params import TrainParams
+from eagle3_pipeline.config.training_params import TrainParams
 from eagle3_pipeline.drafter.conventions import RunConventions
 from eagle3_pipeline.training import layer_view
 from eagle3_pipeline.training.checkpoints import discard_incomplete, exact_resume

@@ -7,7 +7,7 @@ from collections import deque
 import pytest
 
 from eagle3_pipeline.cluster import engine, shards
-from eagle3_pipeline.config.params import ClusterParams
+from eagle3_pipeline.config.training_params import ClusterParams
 from eagle3_pipeline.core.errors import PipelineError
 
 A, B = engine.Node("a" * 56, "10.0.0.1"), engine.Node("b" * 56, "10.0.0.2")

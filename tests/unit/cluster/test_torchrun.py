@@ -7,7 +7,7 @@ from collections import deque
 import pytest
 
 from eagle3_pipeline.cluster import engine, torchrun
-from eagle3_pipeline.config.params import ClusterParams
+from eagle3_pipeline.config.training_params import ClusterParams
 from eagle3_pipeline.core.errors import PipelineError
 
 A = engine.Node("a" * 56, "10.0.0.1")

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3_pipeline.config.params import ClusterParams, load_params
+from eagle3_pipeline.config.params import load_params
+from eagle3_pipeline.config.training_params import ClusterParams
 from eagle3_pipeline.core.errors import ParamsError
 
 REPO = Path(__file__).resolve().parents[3]

@@ -199,7 +199,7 @@ def test_real_training_starts_from_legacy_checkpoint(
 ) -> None:
     """speculators' trainer, 1 epoch at a negligible lr: epoch 0 holds the checkpoint's weights
     (bf16, as both are saved); a second run resumes and leaves init_from alone."""
-    from eagle3_pipeline.config.params import TrainParams
+    from eagle3_pipeline.config.training_params import TrainParams
     from eagle3_pipeline.training.data import (
         TrainingSample,
         train_data_ratio_for,

@@ -27,7 +27,7 @@ import torch
 from mooncake_master import Master, loopback_master, stop
 from safetensors.torch import load_file
 
-from eagle3_pipeline.config.params import MooncakeParams, OnlineParams
+from eagle3_pipeline.config.training_params import MooncakeParams, OnlineParams
 from eagle3_pipeline.training.online_backend import (
     LOCAL_HOSTNAME_VAR,
     backend_dests,

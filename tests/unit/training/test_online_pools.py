@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from eagle3_pipeline.cluster import engine, torchrun
-from eagle3_pipeline.config.params import ClusterParams, Params
+from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.config.training_params import ClusterParams
 from eagle3_pipeline.core.errors import ParamsError
 from eagle3_pipeline.training import online_pools as cluster_online
 from eagle3_pipeline.training.online import OnlineSource

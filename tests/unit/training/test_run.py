@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from train_workspace import AUX_IDS, DRAFT_VOCAB, tiny_settings, train_tiny, verifier_head_rows
 
-from eagle3_pipeline.config.params import TrainParams
+from eagle3_pipeline.config.training_params import TrainParams
 from eagle3_pipeline.drafter.conventions import RunConventions
 from eagle3_pipeline.training import checkpoints
 from eagle3_pipeline.training.run import TrainingInterrupted, TrainSettings, build_train_config
@@ -207,7 +207,7 @@ def test_signal_raises_training_interrupted(inputs: dict[str, Any], tmp_path: Pa
 def test_online_flags_reach_speculators(tmp_path: Path) -> None:
     """Online mode's flags, the Mooncake backend's included, reach speculators' config; without
     split_backend_flags its schema drops mooncake_* silently and uses 127.0.0.1:50051."""
-    from eagle3_pipeline.config.params import OnlineParams
+    from eagle3_pipeline.config.training_params import OnlineParams
     from eagle3_pipeline.training.online import speculators_flags
 
     online = OnlineParams(backend="mooncake", request_timeout_s=7, max_retries=2)
