@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from eagle3_pipeline.core import disk, paths
-from eagle3_pipeline.core.errors import PipelineError
+from eagle3_pipeline.core.errors import DEBUG_ENV, PipelineError
 from eagle3_pipeline.harness import stage_deps, stage_lock
 from eagle3_pipeline.serving.server import vllm_env_defaults
 
@@ -248,6 +248,8 @@ def _run_plan(args: argparse.Namespace, params: Params) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.debug:  # processes this one starts (torchrun ranks, Ray workers) debug too
+        os.environ[DEBUG_ENV] = "1"
     _env_defaults()
     try:
         from eagle3_pipeline.config.params import load_params

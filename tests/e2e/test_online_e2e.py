@@ -58,6 +58,8 @@ def test_no_training_store_and_a_server_checked_first(online: tuple[Path, Path, 
     assert not set(manifest["samples"]) & _ids(repo, "train")
     assert "starting vLLM with extract_hidden_states, layers [2, 4, 5, 8]" in out
     assert "server checked on sample" in out
+    # one progress line per step, not one request log per sample (httpx's, quiet unless --debug)
+    assert "HTTP Request:" not in out
     # The stage's server files were read and deleted, the server stopped with the stage.
     served = repo / "data/.work/train"
     assert not list(served.rglob("online-hidden-states/*.safetensors"))

@@ -1,5 +1,8 @@
 """One exception type per kind of user mistake; the CLI prints each as one line."""
 
+# Set by `eagle3 --debug` for the processes a command starts: tracebacks, library request logs.
+DEBUG_ENV = "EAGLE3_DEBUG"
+
 
 class PipelineError(Exception):
     """A problem the user can fix; the message names the file, the field and the fix."""

@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from eagle3_pipeline.config.training_params import TrainParams
+from eagle3_pipeline.core.errors import DEBUG_ENV
 from eagle3_pipeline.drafter.conventions import RunConventions
 from eagle3_pipeline.training import layer_view
 from eagle3_pipeline.training.checkpoints import discard_incomplete, exact_resume
@@ -183,6 +185,7 @@ def run_training(
         sampler_rank_guard(),
         no_progress_bars() if os.environ.get("TQDM_DISABLE") else nothing,
         online_api_key(s.online_api_key),  # online mode's server key, if any
+        quiet_request_logs(),
         own_thread_env(),
         init_from_verifier(
             t.init_from_verifier,
@@ -282,6 +285,26 @@ def _check(s: TrainSettings) -> None:
     if s.fsdp and "LOCAL_RANK" not in os.environ:
         raise ValueError("fsdp shards the drafter across processes: launch with torchrun")
     check_layer_count(s.data_dir, s.target_layer_ids, s.store_positions)
+
+
+@contextlib.contextmanager
+def quiet_request_logs() -> Any:
+    """httpx logs every request at INFO: online, one 3-line entry per sample fetched (9 million
+    lines at 600k samples x 5 epochs), burying the progress lines. A failed request still reads
+    in one line: speculators' recovery names each failed round trip, and a lasting failure ends
+    the stage with its error. `--debug` (DEBUG_ENV, which torchrun ranks inherit) keeps them."""
+    if os.environ.get(DEBUG_ENV) == "1":
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in ("httpx", "httpcore")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def build_train_config(s: TrainSettings) -> Any:

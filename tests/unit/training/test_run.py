@@ -222,3 +222,23 @@ def test_online_flags_reach_speculators(tmp_path: Path) -> None:
     assert cfg["max_consecutive_generation_failures"] == 1  # a refused sample stops the run
     store = build_train_config(_settings_from(TrainParams())).flatten()
     assert store["on_missing"] == "raise" and store["hidden_states_backend"] == "fp8"
+
+
+def test_request_logs_are_quiet_in_training_unless_debugging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import logging
+
+    from eagle3_pipeline.core.errors import DEBUG_ENV
+    from eagle3_pipeline.training.run import quiet_request_logs
+
+    httpx_log = logging.getLogger("httpx")
+    before = httpx_log.level
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    with quiet_request_logs():
+        assert not httpx_log.isEnabledFor(logging.INFO)
+        assert httpx_log.isEnabledFor(logging.WARNING)
+    assert httpx_log.level == before
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with quiet_request_logs():
+        assert httpx_log.level == before
