@@ -100,7 +100,7 @@ status: venv
 metrics: venv
 	$(BIN)/dvc metrics show
 
-plots: venv
+plots: venv  # offline: .dvc/config's page inlines Vega (report/plots_page.py)
 	$(BIN)/dvc plots show
 
 # The run report: report/index.html (self-contained, no network needed) + report/png/, from every

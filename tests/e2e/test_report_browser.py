@@ -13,11 +13,12 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from report_fixtures import make_repo
+from report_fixtures import REPO, make_repo
 
 from eagle3_pipeline.report import build
 
@@ -74,6 +75,32 @@ def test_report_opens_offline_with_every_chart_drawn(tmp_path: Path, monkeypatch
     assert sorted(pid for pid, _ in figures) == sorted(ids)
     for pid, svg in figures:  # a drawn chart has marks and axis text, not an empty frame
         assert re.search(r"<(path|rect)\b", svg) and "<text" in svg, pid
+    remote = {u for u in _page_requests(tmp_path / "net.json") if not u.startswith("file:")}
+    assert remote == set(), remote
+
+
+def test_dvc_plots_show_draws_every_chart_offline(tmp_path: Path, monkeypatch) -> None:
+    """`dvc plots show` with the project's .dvc/config: its page inlines Vega (.dvc/plots.html)."""
+    root = make_repo(tmp_path / "r")
+    monkeypatch.chdir(root)
+    build.build([])  # writes metrics/report/, the summary series (as make train does)
+    shutil.copy(REPO / ".dvc/config", root / ".dvc/config")
+    shutil.copy(REPO / ".dvc/plots.html", root / ".dvc/plots.html")
+    subprocess.run(
+        [sys.executable, "-m", "dvc", "plots", "show", "-o", "shown"],
+        cwd=root,
+        check=True,
+        capture_output=True,
+    )
+    page = root / "shown/index.html"
+    assert "cdn.jsdelivr" not in page.read_text()
+    dom = _chromium(page, tmp_path / "net.json", tmp_path / "profile")
+    plots = len(yaml.safe_load((root / "dvc.yaml").read_text())["plots"])
+    charts = dom.split('class="vega-embed')[1:]  # each chart vega-embed drew, to the next one
+    assert len(charts) == plots, (len(charts), plots, dom[-2000:])
+    for chart in charts:  # drawn: marks and axis text, not an empty frame
+        assert re.search(r'<svg[^>]*class="marks"', chart) and "<path" in chart, chart[:300]
+        assert "<text" in chart, chart[:300]
     remote = {u for u in _page_requests(tmp_path / "net.json") if not u.startswith("file:")}
     assert remote == set(), remote
 
