@@ -24,8 +24,6 @@ from eagle3_pipeline.config.training_params import ClusterParams
 from eagle3_pipeline.core.errors import PipelineError
 
 # What a worker's command inherits from the driver: the run's settings, never credentials.
-# Ray's errors for a task whose node is gone (died under it, or gone before it could start).
-NODE_GONE_ERRORS = ("NodeDiedError", "TaskUnschedulableError")
 PASSED_ENV_PREFIXES = (
     "HF_",
     "VLLM_",
@@ -59,17 +57,14 @@ class Outcome:
     rc: int | None  # None: the worker or its node was lost before the command ended
     error: str = ""
     command_s: float | None = None  # the command's own wall time on the node (the work)
+    # Ray says the node itself is gone (its raylet died, or it went before the task could start),
+    # even before the GCS lists it dead (seen: NodeDiedError while the node was listed alive).
+    node_died: bool = False
 
     @property
     def lost(self) -> bool:
         """Lost, not failed: the node or the process died under the command (rerun elsewhere)."""
         return self.rc is None or self.rc < 0 or self.rc in (137, 143)
-
-    @property
-    def node_died(self) -> bool:
-        """Ray says the node itself is gone (its raylet died), even before the GCS lists it dead
-        (seen: NodeDiedError while the node was still listed alive)."""
-        return self.error.startswith(NODE_GONE_ERRORS)
 
 
 def connect(c: ClusterParams) -> str:
@@ -227,7 +222,8 @@ def outcome(node: Node, ref) -> Outcome:
         return Outcome(node, done["rc"], command_s=done.get("command_s"))
     except (ray.exceptions.RayError, OSError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return Outcome(node, None, f"{type(exc).__name__}: {first}")
+        gone = isinstance(exc, ray.exceptions.NodeDiedError | ray.exceptions.TaskUnschedulableError)
+        return Outcome(node, None, f"{type(exc).__name__}: {first}", node_died=gone)
 
 
 def wait_any(refs: list):

@@ -55,3 +55,29 @@ def test_gloo_and_nccl_bind_the_interface_that_holds_the_node_s_address(
     # the user's choice wins, each variable on its own
     assert _run(tmp_path, {"GLOO_SOCKET_IFNAME": "eth9"}, both, "127.0.0.1") == f"eth9 {loopback}"
     assert _run(tmp_path, {"NCCL_SOCKET_IFNAME": "ib0"}, both, "127.0.0.1") == f"{loopback} ib0"
+
+
+@pytest.mark.parametrize(
+    ("error", "node_died"),
+    [
+        (lambda e: e.NodeDiedError("node 10.0.0.2 died"), True),
+        (lambda e: e.TaskUnschedulableError("no node with that id"), True),
+        (lambda e: e.WorkerCrashedError(), False),  # the process, not the node
+        (lambda e: e.TaskCancelledError(), False),
+    ],
+)
+def test_a_lost_worker_is_classified_by_ray_s_error_type(
+    error, node_died: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray
+
+    exc = error(ray.exceptions)
+
+    def get(ref):
+        raise exc
+
+    monkeypatch.setattr(ray, "get", get)
+    node = engine.Node("abcdef0123", "10.0.0.2")
+    lost = engine.outcome(node, object())
+    assert lost.rc is None and lost.lost and lost.node_died is node_died
+    assert lost.error.startswith(type(exc).__name__)

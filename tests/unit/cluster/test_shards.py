@@ -43,7 +43,9 @@ class FakeEngine:
         rc = self.script[shard].popleft()
         if rc is None:
             self.dead.add(node.node_id)
-        return engine.Outcome(node, rc, "NodeDiedError: gone" if rc is None else "")
+        return engine.Outcome(
+            node, rc, "NodeDiedError: gone" if rc is None else "", node_died=rc is None
+        )
 
 
 def test_each_node_runs_one_shard_and_provenance_says_which() -> None:

@@ -73,7 +73,9 @@ class FakeEngine:
         rc = self.codes[node.label]
         if rc is None:
             self.dead.add(node.node_id)
-        return engine.Outcome(node, rc, "NodeDiedError: gone" if rc is None else "")
+        return engine.Outcome(
+            node, rc, "NodeDiedError: gone" if rc is None else "", node_died=rc is None
+        )
 
 
 def _run(c: ClusterParams, calls: list[int] | None = None) -> dict:
