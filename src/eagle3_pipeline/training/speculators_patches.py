@@ -26,13 +26,19 @@ _shims_applied = False
 
 
 def check_version() -> None:
-    """Refuse any speculators but the pinned one: the shims patch 0.9.0's internals by name."""
+    """Refuse any speculators but the pinned one, the only version known to work: the patches
+    (docs/training.md, "The speculators patch set") reach 0.9.0's internals by name. Another
+    version is tried by pinning it in constraints/shared.txt, re-locking, re-checking each patch
+    and setting PINNED_SPECULATORS; nothing overrides this check at run time."""
     installed = importlib.metadata.version("speculators")
     if installed != PINNED_SPECULATORS:
         raise RuntimeError(
-            f"speculators {installed} is installed but eagle3_pipeline.training is written "
-            f" against {PINNED_SPECULATORS}: install speculators=={PINNED_SPECULATORS} "
-            "(constraints/) or re-check the shims and saved layout against the new version"
+            f"speculators {installed} is installed, but eagle3_pipeline.training is known to work "
+            f"with speculators {PINNED_SPECULATORS} only: its patches reach speculators' internals "
+            "by name (listed in docs/training.md, 'The speculators patch set'); install the "
+            f"locked {PINNED_SPECULATORS} (locks/), or, to try {installed}, pin it in "
+            "constraints/shared.txt, run `make lock` and `make venv`, re-check each listed patch "
+            "against it and set PINNED_SPECULATORS in training/speculators_patches.py"
         )
 
 

@@ -22,8 +22,12 @@ def test_check_version_accepts_pinned() -> None:
 
 def test_check_version_rejects_other(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.10.0")
-    with pytest.raises(RuntimeError, match=r"speculators 0\.10\.0 .* 0\.9\.0"):
+    with pytest.raises(RuntimeError, match=r"speculators 0\.10\.0 .* 0\.9\.0 only") as refused:
         sp.check_version()
+    message = str(refused.value)  # one line: why, where the patches are listed, how to try 0.10.0
+    assert "\n" not in message
+    for named in ("docs/training.md", "constraints/shared.txt", "PINNED_SPECULATORS"):
+        assert named in message
     with pytest.raises(RuntimeError):
         sp.apply_cpu_shims()
 
