@@ -9,7 +9,7 @@ the venv sits inside a git work tree, speculators.patch (`git diff HEAD` of that
 Under torchrun (LOCAL_RANK set) each process calls `run_training`; speculators initialises
 torch.distributed (gloo on CPU, via the shims), wraps the drafter in DDP or, with `fsdp`, FSDP2,
 and gives each rank its own bins of `total_seq_len` tokens (global batch: nproc x that), chosen by
-the global RANK (checked where the loaders are built: `sampler_rank_guard`). The data order is a
+the global RANK (speculators' #619, in 0.9.0). The data order is a
 function of seed and epoch (no state to save).
 """
 
@@ -46,7 +46,6 @@ from eagle3_pipeline.training.speculators_patches import (
     no_progress_bars,
     online_api_key,
     own_thread_env,
-    sampler_rank_guard,
 )
 from eagle3_pipeline.training.verifier_init import init_from_verifier
 
@@ -182,7 +181,6 @@ def run_training(
         hidden_state_noise(t.noise_std, t.family.speculator_type) if t.noise_std > 0 else nothing,
         exact_resume(t.keep_last, exact=not s.fsdp),
         steps.patched(),
-        sampler_rank_guard(),
         no_progress_bars() if os.environ.get("TQDM_DISABLE") else nothing,
         online_api_key(s.online_api_key),  # online mode's server key, if any
         quiet_request_logs(),
