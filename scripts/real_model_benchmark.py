@@ -9,7 +9,8 @@ bench/results/real-model.json from what the stages measured: offline and online 
 acceptance length, losslessness, the paired speed-up and its spread, the curve, each stage's
 seconds, the wall time and the commit it ran at. Run it on a quiet machine, alone: it takes up
 to two hours on 2 cores, and the speed-up is only worth reporting if nothing else ran.
-`--no-run` only writes the result file from the workspace's metrics.
+`--no-run` only rewrites the result file from the workspace's metrics (keeping the commit and
+wall time the earlier run recorded).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def dirty() -> list[str]:
     return [line[3:] for line in out.splitlines() if line[3:] not in {"params.yaml", "dvc.lock"}]
 
 
-def result(wall_s: float | None) -> dict:
-    """The result record, from the workspace's metrics and records."""
+def result(wall_s: float | None, ran_at: str) -> dict:
+    """The result record, from the workspace's metrics and records; `ran_at`: the commit."""
     ev, curve, params = read("metrics/eval.json"), read("metrics/curve.json"), _params()
     online = ev.get("online") or {}
     same = (ev.get("offline_same_prompts") or {}).get("mean_acceptance_length")
@@ -66,7 +67,7 @@ def result(wall_s: float | None) -> dict:
     for rec in sorted((REPO / "metrics/provenance").glob("*.json")):
         stages[rec.stem] = round(float(json.loads(rec.read_text()).get("duration_s") or 0), 1)
     return {
-        "commit": commit(),
+        "commit": ran_at,
         "model": params["verifier"]["name"],
         "profile": params["profile"],
         "machine": f"{os.cpu_count()} CPU cores, no GPU",
@@ -84,7 +85,7 @@ def result(wall_s: float | None) -> dict:
             online["mean_acceptance_length"] / same - 1 if same and online else None
         ),
         "greedy_identical": ev.get("greedy_outputs_identical"),
-        "lossless": (ev.get("losslessness") or {}).get("outcome"),
+        "lossless": (ev.get("lossless") or {}).get("verdict"),
         "speedup_median": online.get("speedup"),
         "speedup_spread": online.get("speedup_spread"),
         "speedup_rounds": online.get("speedup_rounds"),
@@ -114,7 +115,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-run", action="store_true", help="only write the result file")
     args = ap.parse_args()
-    wall = None
+    wall, ran_at = None, commit()
+    if args.no_run and OUT.is_file():  # the run's own facts stay: its commit and wall time
+        before = json.loads(OUT.read_text())
+        wall, ran_at = before.get("wall_s"), before.get("commit") or ran_at
     if not args.no_run:
         if dirty():
             print(f"uncommitted changes {dirty()}: commit first, the result names the commit")
@@ -125,7 +129,7 @@ def main() -> int:
         sh("eagle3", "plan")
         sh("dvc", "repro")
         wall = time.monotonic() - t0
-    record = result(wall)
+    record = result(wall, ran_at)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps({k: v for k, v in record.items() if k != "curve"}, indent=2))
