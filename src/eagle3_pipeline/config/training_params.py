@@ -121,6 +121,19 @@ class TrainParams(Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _online_workers_send_the_key(self) -> TrainParams:
+        """The server train starts wants this run's key; speculators 0.9's loader workers are
+        spawned processes whose client sends "EMPTY" (the project's key patch lives in this
+        process only): every sample would fail with HTTP 401, after the long stages."""
+        if self.hidden_states == "online" and self.num_workers > 0 and not self.online.endpoint:
+            raise ValueError(
+                f"train.num_workers={self.num_workers} with train.hidden_states: online: "
+                "speculators' loader workers would not send the key of the server train starts "
+                "(docs/upstream/online-api-key.patch): set train.num_workers: 0"
+            )
+        return self
+
 
 class ClusterWorkerParams(Strict):
     """Ray resources one worker (one node's share of a stage) asks for."""

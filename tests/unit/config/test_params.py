@@ -40,6 +40,10 @@ def test_committed_params_and_profiles_are_valid() -> None:
         (lambda p: p["layers"].update(final_layer_id=7), "final id must equal num_hidden_layers"),
         (lambda p: p["vocab"].update(draft_vocab_size=10**6), "larger than the verifier vocab"),
         (lambda p: p["prepare"].update(val_ratio=1.5), "field 'prepare.val_ratio'"),
+        (
+            lambda p: p["train"].update(hidden_states="online", num_workers=2),
+            "loader workers would not send the key",
+        ),
     ],
 )
 def test_bad_params_one_line(tmp_path: Path, mutate, expected: str, capsys) -> None:
@@ -51,6 +55,16 @@ def test_bad_params_one_line(tmp_path: Path, mutate, expected: str, capsys) -> N
     assert rc == 2
     assert err.count("\n") == 1 and "Traceback" not in err
     assert str(path) in err and expected in err
+
+
+def test_online_loader_workers_are_fine_against_a_server_the_user_names(tmp_path: Path) -> None:
+    """Only the server train starts holds a key for certain; a named one may not want one."""
+
+    def online(p: dict) -> None:
+        p["train"].update(hidden_states="online", num_workers=2)
+        p["train"].setdefault("online", {})["endpoint"] = "http://gpu-node:8000/v1"
+
+    assert load_params(_write(tmp_path, online)).train.num_workers == 2
 
 
 def test_missing_and_malformed_files(tmp_path: Path, capsys) -> None:
