@@ -29,6 +29,9 @@ METRICS = Path("metrics")
 VOCAB_METRICS = METRICS / "vocab.json"
 TRAIN_METRICS = METRICS / "train.json"
 TRAIN_LIVE = METRICS / "train"
+# train's val acceptance per epoch: what the curve stage reads of TRAIN_LIVE (its tokens/s
+# differs on every run, so the whole folder would make curve stale after each retraining)
+TRAIN_VAL_TAU = TRAIN_LIVE / "plots/metrics/val/acceptance_length.tsv"
 EVAL_METRICS = METRICS / "eval.json"
 PROVENANCE = METRICS / "provenance"
 FAMILIES_METRICS = METRICS / "families"

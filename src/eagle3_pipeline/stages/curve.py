@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,6 @@ from eagle3_pipeline.store import format as store
 from eagle3_pipeline.verifier import identity as vf
 
 STAGE = "curve"
-VAL_TAU_SERIES = paths.TRAIN_LIVE / "plots/metrics/val/acceptance_length.tsv"
 
 
 @dataclass
@@ -58,8 +58,22 @@ def measure(params: Params, fraction: float) -> None:
     )
 
 
+def _prune_unlisted(fractions: list[float]) -> None:
+    """Remove the results of fractions curve.fractions no longer lists: this stage reads
+    metrics/fractions whole (a DVC dep, hashed after it runs), and a teammate's clone holds only
+    the listed fractions' outputs, so leftovers would make the stage stale there."""
+    if not paths.CURVE_FRACTIONS.is_dir():
+        return
+    keep = {str(f) for f in fractions}
+    for d in sorted(paths.CURVE_FRACTIONS.iterdir()):
+        if d.is_dir() and d.name not in keep:
+            shutil.rmtree(d)
+            log("curve", f"removed {d}: fraction {d.name} is no longer in curve.fractions")
+
+
 def run(params: Params) -> None:
     c, k = params.curve, params.evaluate.num_speculative_tokens
+    _prune_unlisted(c.fractions)
     if not c.fractions:  # evaluate already simulated train's drafter: nothing to fit
         result = {"num_speculative_tokens": k, "points": [], "check": None, "fit": None}
         _write(result | {"predictions": None, "epochs": _epochs()})
@@ -217,8 +231,8 @@ def _epochs() -> dict[str, Any]:
     """The full run's val acceptance per epoch (speculators' validation: the chained
     conditional accuracies, teacher-forced), in the order the epochs ran."""
     taus: list[float] = []
-    if VAL_TAU_SERIES.is_file():
-        with open(VAL_TAU_SERIES, newline="") as fh:
+    if paths.TRAIN_VAL_TAU.is_file():
+        with open(paths.TRAIN_VAL_TAU, newline="") as fh:
             taus = [float(r["acceptance_length"]) for r in csv.DictReader(fh, delimiter="\t")]
     peak = lc.peak_epoch(taus)
     return {

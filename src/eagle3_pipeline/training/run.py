@@ -294,7 +294,9 @@ def quiet_request_logs() -> Any:
     if os.environ.get(DEBUG_ENV) == "1":
         yield
         return
-    loggers = [logging.getLogger(name) for name in ("httpx", "httpcore")]
+    # openai 3 (speculators' online client) sends through httpx2, which logs as "httpx2"
+    names = ("httpx", "httpcore", "httpx2", "httpcore2")
+    loggers = [logging.getLogger(name) for name in names]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.WARNING)

@@ -232,7 +232,7 @@ def test_request_logs_are_quiet_in_training_unless_debugging(
     from eagle3_pipeline.core.errors import DEBUG_ENV
     from eagle3_pipeline.training.run import quiet_request_logs
 
-    httpx_log = logging.getLogger("httpx")
+    httpx_log = logging.getLogger("httpx2")  # openai 3's transport
     before = httpx_log.level
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     with quiet_request_logs():
