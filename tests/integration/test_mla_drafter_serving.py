@@ -172,7 +172,8 @@ def served(verifier: Path, drafters: dict, tmp_path_factory: pytest.TempPathFact
             """evaluate's two runs, on the servers started for exactly the specs it asks for."""
             name = "right" if spec.speculative_config else "baseline"
             assert spec == {"right": right_spec, "baseline": baseline_spec}[name], spec
-            runs[name] = run = oe.measure(url[name], conversations, settings)
+            run = oe.measure(url[name], conversations, settings)
+            runs.setdefault(name, run)  # the full pass; the paired rounds' subsets follow
             return run
 
         right, _, right_verdict = oe.evaluate(
