@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,19 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from scripts_loader import script_module
 
 REPO = Path(__file__).resolve().parents[3]
 
 
-def _module(name: str):
-    """scripts/NAME.py, loaded from its file (scripts/ is no package)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / f"scripts/{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gc = _module("gpu_check")
+gc = script_module("gpu_check")
 SCRIPT = REPO / "scripts/gpu_check.py"
 
 

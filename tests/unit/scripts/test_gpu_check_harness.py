@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 from pathlib import Path
 
 import pytest
+from scripts_loader import script_module
 
 REPO = Path(__file__).resolve().parents[3]
 
 
-def _module(name: str):
-    """scripts/NAME.py, loaded from its file (scripts/ is no package)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / f"scripts/{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-harness = _module("gpu_check_harness")
+harness = script_module("gpu_check_harness")
 
 
 def test_report_prints_one_line_per_check_and_spends_a_budget(capsys) -> None:

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from scripts_loader import script_module
 
 REPO = Path(__file__).resolve().parents[3]
 
 
-def _module(name: str):
-    """scripts/NAME.py, loaded from its file (scripts/ is no package)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / f"scripts/{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-kimi = _module("gpu_check_kimi_int4")
+kimi = script_module("gpu_check_kimi_int4")
 
 
 def test_tiny_int4_kimi_builds_on_cpu_as_kimi_is_laid_out(tmp_path: Path) -> None:

@@ -3,24 +3,16 @@ without vLLM."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from scripts_loader import script_module
 
 REPO = Path(__file__).resolve().parents[3]
 
 
-def _module(name: str):
-    """scripts/NAME.py, loaded from its file (scripts/ is no package)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / f"scripts/{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gp = _module("gpu_check_pipelines")
+gp = script_module("gpu_check_pipelines")
 
 
 @pytest.mark.parametrize("name", sorted(gp.PIPELINES))

@@ -12,16 +12,14 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from scripts_loader import script_module
 
 REPO = Path(__file__).resolve().parents[3]
 LOCKS = REPO / "locks"
 
 
 def _lock_module():
-    spec = importlib.util.spec_from_file_location("lock", REPO / "scripts/lock.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module("lock")
 
 
 lock = _lock_module()
