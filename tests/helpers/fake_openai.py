@@ -1,6 +1,7 @@
 """A scripted OpenAI-like chat server on 127.0.0.1, for the chat client and the stages using it.
 
-Each POST is answered by `respond(body)`: (status, json), or DROP to hang up without a response.
+Each POST is answered by `respond(body)`: (status, json) or (status, json, headers), or DROP to
+hang up without a response.
 GET (any path: /v1/models, /metrics) answers the model list with `models_status`.
 """
 
@@ -44,9 +45,11 @@ class FakeServer:
             def log_message(self, *args: Any) -> None:
                 pass
 
-            def _send(self, status: int, payload: Any) -> None:
+            def _send(self, status: int, payload: Any, headers: dict | None = None) -> None:
                 data = json.dumps(payload).encode()
                 self.send_response(status)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -114,8 +117,12 @@ def reply(
     return 200, body
 
 
-def error(status: int, message: str) -> tuple[int, dict]:
-    return status, {"error": {"message": message, "type": "Error", "code": status}}
+def error(status: int, message: str, retry_after_s: float | None = None) -> tuple:
+    """An OpenAI error answer; `retry_after_s`: with a `Retry-After` header (whole seconds)."""
+    body = {"error": {"message": message, "type": "Error", "code": status}}
+    if retry_after_s is None:
+        return status, body
+    return status, body, {"Retry-After": str(retry_after_s)}
 
 
 def sequence(*answers: Any) -> Respond:

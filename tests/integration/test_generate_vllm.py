@@ -6,13 +6,16 @@ tests/unit/stages/test_generate.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -25,7 +28,6 @@ from server_procs import TAG_VAR, tagged_pids, wait_none_tagged
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.conversations import chat_template, generation_rows
 from eagle3_pipeline.core import resume
-from eagle3_pipeline.serving import chat as chat_client
 from eagle3_pipeline.serving import server as vllm_server
 from eagle3_pipeline.serving.chat import ChatClient
 from eagle3_pipeline.stages import generate
@@ -73,11 +75,11 @@ def test_rows_are_split_by_the_real_reasoning_parser(
     # batch composition is not bitwise reproducible.)
     tokenizer = AutoTokenizer.from_pretrained(vllm_verifier)
     checked = 0
+    client = ChatClient(served, timeout_s=60)
     for row in rows:
         body = generate.request_body(params, "verifier", row) | {"return_token_ids": True}
-        response = requests.post(f"{served}/v1/chat/completions", json=body, timeout=60).json()
-        reply = chat_client.parse_reply(response)
-        text = tokenizer.decode(response["choices"][0]["token_ids"], skip_special_tokens=False)
+        reply = client.chat(body)
+        text = tokenizer.decode(reply.token_ids, skip_special_tokens=False)
         text = text.removesuffix(tokenizer.eos_token)
         if "</think>" not in text:
             continue
@@ -98,6 +100,68 @@ def test_rows_are_split_by_the_real_reasoning_parser(
         assert text.endswith(row["content"]) and row["reasoning"] in text
         prompt = chat_template.render_prompt(tokenizer, row, params.generate.chat_template_kwargs)
         assert row["prompt_token_ids"] == tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+@contextlib.contextmanager
+def _throttled(upstream: str, refusals: int, retry_after_s: int) -> Iterator[tuple[str, list]]:
+    """A proxy to `upstream` that answers its first `refusals` POSTs 429 with Retry-After, as a
+    rate-limiting gateway in front of vLLM does; yields its URL and (time, status) per POST."""
+    seen: list[tuple[float, int]] = []
+
+    class Proxy(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self._answer(requests.get(upstream + self.path, timeout=60))
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            if len(seen) < refusals:
+                seen.append((time.monotonic(), 429))
+                self.send_response(429)
+                self.send_header("Retry-After", str(retry_after_s))
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            seen.append((time.monotonic(), 200))
+            headers = {"Content-Type": "application/json"}
+            self._answer(
+                requests.post(upstream + self.path, data=body, headers=headers, timeout=60)
+            )
+
+        def _answer(self, resp: requests.Response) -> None:
+            self.send_response(resp.status_code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(resp.content)))
+            self.end_headers()
+            self.wfile.write(resp.content)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", seen
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.mark.vllm
+def test_the_client_waits_out_429_then_reads_the_real_servers_reply(
+    served: str, vllm_verifier: Path
+) -> None:
+    params = vllm_params(vllm_verifier, **SAMPLING)
+    row = {"id": "q0", "messages": [{"role": "user", "content": "Say hi."}]}
+    body = generate.request_body(params, "verifier", row) | {"return_token_ids": True}
+    with _throttled(served, refusals=1, retry_after_s=2) as (url, seen):
+        client = ChatClient(url, timeout_s=60, max_retries=2)
+        assert client.served_model("verifier") == "verifier"
+        reply = client.chat(body)
+    assert [status for _, status in seen] == [429, 200] and client.retries == 1
+    assert seen[1][0] - seen[0][0] >= 1.9, "the server's Retry-After was not waited out"
+    assert reply.token_ids and reply.completion_tokens == len(reply.token_ids)
+    assert reply.prompt_token_ids and reply.reasoning is not None
+    assert reply.finish_reason in ("stop", "length")
 
 
 def _write_repo(root: Path, verifier: Path) -> list[str]:

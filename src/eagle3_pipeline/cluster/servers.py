@@ -43,9 +43,10 @@ class ServerWorker:
 
     def start(self, spec: ServerSpec) -> str:
         """Start the server; its base URL once ready (ServerError with its log's tail if not)."""
-        self.proc, url = vllm_server.launch(spec)
+        started = vllm_server.launch(spec)
+        self.proc = started.proc
         try:
-            vllm_server.wait_ready(url, self.proc, spec)
+            url = vllm_server.wait_ready(started)
         except BaseException:
             self.stop()
             raise

@@ -204,9 +204,9 @@ class ScoringClient(ChatClient):
     """The chat client, keeping the logprobs that `parse_reply` leaves out."""
 
     def chat(self, body: dict[str, Any]) -> ScoredReply:
-        response = self.post("/v1/chat/completions", body)
+        response = self.post("/chat/completions", body)
         reply = parse_reply(response)
-        lp = lossless.parse_logprobs(response["choices"][0])
+        lp = lossless.parse_logprobs(response.choices[0].to_dict())
         return ScoredReply(**{f.name: getattr(reply, f.name) for f in fields(reply)}, logprobs=lp)
 
 

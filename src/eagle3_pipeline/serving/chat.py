@@ -1,10 +1,15 @@
-"""Chat completions against an OpenAI-compatible server (vLLM), concurrent and retried.
+"""Chat completions against an OpenAI-compatible server (vLLM), concurrent, on the `openai` client.
 
-Transient failures (connection errors, timeouts, 5xx) are retried with exponential backoff: a
-server under load or restarting should not cost rows. A 4xx is the request's own fault (prompt
-too long, bad parameter) and would fail again, so it is never retried. A request that still fails
-becomes an `Outcome` with a one-line reason instead of an exception, so one bad row never stops
-a run of thousands. Results come back on the caller's thread, where journaling is safe.
+The client retries what may pass on a second try (no answer, timeouts, 408, 409, 429, 5xx) with
+backoff, honouring the server's `Retry-After`; any other 4xx is the request's own fault (prompt
+too long, bad parameter) and fails at once. A request that still fails becomes an `Outcome` with
+a one-line reason instead of an exception, so one bad row never stops a run of thousands.
+Results come back on the caller's thread, where journaling is safe.
+
+Two httpx event hooks (public API) add what the project needs on top: each retry is logged in
+one line and counted (openai numbers its attempts in the `x-stainless-retry-count` header), and
+a cancelled client sends no further attempt, so a stopped run does not retry against a server
+it gave up.
 """
 
 from __future__ import annotations
@@ -13,31 +18,40 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import requests
+import openai
+from openai.types.chat import ChatCompletion
 
 from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.serving import auth
+
+if TYPE_CHECKING:
+    import httpx2  # openai's transport
 
 CONNECT_TIMEOUT_S = 10.0
 # The key sent to servers the user runs (generate.server_url(s)); servers the pipeline starts
 # get a fresh key per run instead.
 API_KEY_VAR = "EAGLE3_VLLM_API_KEY"
+NO_KEY = "EMPTY"  # what openai sends when there is no key; a server without one ignores it
+RETRY_HEADER = "x-stainless-retry-count"
 _log_lock = threading.Lock()  # one retry line at a time: print() writes text and newline apart
 
 
 class RequestFailed(Exception):
     """A request that failed for good; the message is the reason kept in the sidecar.
 
-    `transient`: it failed the retryable way (no answer, 5xx) every time, which hints that the
-    server itself is gone, rather than being refused (4xx).
+    `transient`: it failed the retryable way (no answer, 5xx, 429) every time, which hints that
+    the server itself is gone, rather than being refused (4xx).
     """
 
     def __init__(self, reason: str, transient: bool = False) -> None:
         super().__init__(reason)
         self.transient = transient
+
+
+class _Cancelled(openai.OpenAIError):
+    """Raised before an attempt of a cancelled client; openai passes its own errors through."""
 
 
 @dataclass(frozen=True)
@@ -64,24 +78,25 @@ class Outcome:
     transient: bool = False
 
 
-def parse_reply(response: dict[str, Any]) -> ChatReply:
-    """The first choice; reasoning from `reasoning` (vLLM >= 0.10) or `reasoning_content`."""
+def parse_reply(response: ChatCompletion) -> ChatReply:
+    """The first choice; reasoning from `reasoning` (vLLM >= 0.10) or `reasoning_content`, and
+    vLLM's extra fields, which openai's models keep as attributes."""
     try:
-        choice = response["choices"][0]
-        message = choice["message"]
-    except (KeyError, IndexError, TypeError):
+        choice = response.choices[0]
+        message = choice.message
+    except (AttributeError, IndexError, TypeError):
         raise RequestFailed(f"malformed response: {str(response)[:200]}") from None
-    reasoning = message.get("reasoning")
+    reasoning = getattr(message, "reasoning", None)
     if reasoning is None:
-        reasoning = message.get("reasoning_content")
-    usage = response.get("usage")
-    completion_tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    token_ids = choice.get("token_ids")
-    prompt_ids = response.get("prompt_token_ids")
+        reasoning = getattr(message, "reasoning_content", None)
+    usage = getattr(response, "usage", None)
+    completion_tokens = getattr(usage, "completion_tokens", None)
+    token_ids = getattr(choice, "token_ids", None)
+    prompt_ids = getattr(response, "prompt_token_ids", None)
     return ChatReply(
         reasoning=reasoning,
-        content=message.get("content") or "",
-        finish_reason=choice.get("finish_reason") or "unknown",
+        content=message.content or "",
+        finish_reason=choice.finish_reason or "unknown",
         token_ids=list(token_ids) if token_ids is not None else None,
         completion_tokens=int(completion_tokens) if completion_tokens is not None else None,
         prompt_token_ids=list(prompt_ids) if prompt_ids is not None else None,
@@ -89,129 +104,117 @@ def parse_reply(response: dict[str, Any]) -> ChatReply:
 
 
 def _root_cause(exc: BaseException) -> str:
-    """`ConnectionRefusedError: [Errno 111] Connection refused`, not requests' nested repr."""
-    while True:
-        inner = getattr(exc, "reason", None) or exc.__cause__ or exc.__context__
-        if inner is None and exc.args and isinstance(exc.args[-1], BaseException):
-            inner = exc.args[-1]
-        if not isinstance(inner, BaseException) or inner is exc:
-            return f"{type(exc).__name__}: {exc}"
-        exc = inner
+    """`ConnectError: [Errno 111] Connection refused`, not the wrappers around it."""
+    while isinstance(exc.__cause__ or exc.__context__, BaseException):
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
 
 
-def _error_text(resp: requests.Response) -> str:
-    """The server's own message (OpenAI error JSON) or the start of the body."""
-    try:
-        err = resp.json().get("error", {})
-        text = err.get("message") if isinstance(err, dict) else str(err)
-    except (ValueError, AttributeError):
-        text = None
-    return " ".join((text or resp.text or resp.reason or "").split())[:300]
+def _server_message(exc: openai.APIStatusError) -> str:
+    """The server's own words (OpenAI error JSON), else the start of the body."""
+    body = exc.body
+    text = body.get("message") if isinstance(body, dict) else body
+    return " ".join(str(text or exc.response.text or exc.response.reason_phrase).split())[:300]
 
 
 class ChatClient:
-    """POSTs to one server with retries; safe to share between threads (a session per thread)."""
+    """One server's client, shared by threads; `retries` counts the attempts after a first."""
 
     def __init__(
         self,
         base_url: str,
         timeout_s: float = 300.0,
         max_retries: int = 4,
-        backoff_s: float = 1.0,
-        max_backoff_s: float = 30.0,
         stage: str = "chat",
         api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self._headers = auth.bearer(api_key)  # never logged: no repr, no message shows it
         self.timeout_s = timeout_s
         self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
         self.stage = stage
         self.cancelled = threading.Event()
         self.retries = 0
+        self._has_key = bool(api_key)
         self._lock = threading.Lock()
-        self._local = threading.local()
-
-    def _session(self) -> requests.Session:
-        if not hasattr(self._local, "session"):
-            self._local.session = requests.Session()
-            self._local.session.headers.update(self._headers)
-        return self._local.session
-
-    def backoff(self, attempt: int) -> float:
-        """Seconds to wait before retry number `attempt` (0-based): doubling, capped."""
-        return min(self.backoff_s * 2**attempt, self.max_backoff_s)
-
-    def _attempt(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-        """(json, "") on success, (None, reason) on a retryable failure; 4xx raise at once."""
-        try:
-            resp = self._session().post(
-                self.base_url + path, json=body, timeout=(CONNECT_TIMEOUT_S, self.timeout_s)
-            )
-        except requests.Timeout:
-            return None, f"timed out after {self.timeout_s:.0f} s"
-        except requests.ConnectionError as exc:
-            return None, f"connection error: {' '.join(_root_cause(exc).split())[:200]}"
-        if 400 <= resp.status_code < 500:
-            raise RequestFailed(f"HTTP {resp.status_code}: {_error_text(resp)}")
-        if resp.status_code >= 500:
-            return None, f"HTTP {resp.status_code}: {_error_text(resp)}"
-        try:
-            return resp.json(), ""
-        except ValueError:
-            return None, f"invalid JSON in HTTP {resp.status_code} response"
-
-    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """The JSON answer to one POST, retried; raises RequestFailed with the last reason."""
-        for attempt in range(self.max_retries + 1):
-            if self.cancelled.is_set():
-                raise RequestFailed("cancelled")
-            data, reason = self._attempt(path, body)
-            if data is not None:
-                return data
-            if attempt == self.max_retries:
-                break
-            if self.cancelled.is_set():  # its server was given up meanwhile: no retry to log
-                raise RequestFailed("cancelled")
-            delay = self.backoff(attempt)
-            with self._lock:
-                self.retries += 1
-            with _log_lock:
-                log(
-                    self.stage, f"retry {attempt + 1}/{self.max_retries} in {delay:.1f} s: {reason}"
-                )
-            if self.cancelled.wait(delay):
-                raise RequestFailed("cancelled")
-        raise RequestFailed(
-            f"{reason} (gave up after {self.max_retries + 1} attempts)", transient=True
+        self._local = threading.local()  # per thread: this request's attempts, last failure
+        hooks = {"request": [self._before_attempt], "response": [self._after_attempt]}
+        self._openai = openai.OpenAI(
+            base_url=f"{self.base_url}/v1",
+            api_key=api_key or NO_KEY,  # never logged: openai keeps it out of reprs
+            max_retries=max_retries,
+            timeout=openai.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S),
+            http_client=openai.DefaultHttpxClient(event_hooks=hooks),
         )
 
+    def _before_attempt(self, request: httpx2.Request) -> None:
+        if self.cancelled.is_set():
+            raise _Cancelled("cancelled")
+        attempt = int(request.headers.get(RETRY_HEADER, "0"))
+        self._local.attempts = attempt + 1
+        if attempt == 0:
+            self._local.last = None
+            return
+        with self._lock:
+            self.retries += 1
+        reason = self._local.last or "no answer (connection failed or timed out)"
+        self._local.last = None
+        with _log_lock:
+            log(self.stage, f"retry {attempt}/{self.max_retries}: {reason}")
+
+    def _after_attempt(self, response: httpx2.Response) -> None:
+        if response.status_code >= 400:
+            self._local.last = f"HTTP {response.status_code}"
+
+    def _gave_up(self) -> str:
+        attempts = getattr(self._local, "attempts", 1)
+        return f" (gave up after {attempts} attempts)" if attempts > 1 else ""
+
+    def post(self, path: str, body: dict[str, Any]) -> ChatCompletion:
+        """The answer to one POST of `body` as is (vLLM's extra fields included), retried by
+        openai; raises RequestFailed with a one-line reason."""
+        if self.cancelled.is_set():
+            raise RequestFailed("cancelled")
+        try:
+            return self._openai.post(path, body=body, cast_to=ChatCompletion)
+        except _Cancelled:
+            raise RequestFailed("cancelled") from None
+        except openai.APIStatusError as exc:
+            retried = exc.status_code in (408, 409, 429) or exc.status_code >= 500
+            reason = f"HTTP {exc.status_code}: {_server_message(exc)}"
+            raise RequestFailed(reason + self._gave_up(), transient=retried) from None
+        except openai.APITimeoutError:
+            reason = f"timed out after {self.timeout_s:.0f} s"
+            raise RequestFailed(reason + self._gave_up(), transient=True) from None
+        except openai.APIConnectionError as exc:
+            reason = f"connection error: {_root_cause(exc)}"
+            raise RequestFailed(reason + self._gave_up(), transient=True) from None
+
     def chat(self, body: dict[str, Any]) -> ChatReply:
-        return parse_reply(self.post("/v1/chat/completions", body))
+        return parse_reply(self.post("/chat/completions", body))
+
+    def _models(self) -> list[str]:
+        once = self._openai.with_options(max_retries=0, timeout=CONNECT_TIMEOUT_S)
+        return [m.id for m in once.models.list()]
 
     def answers(self) -> bool:
         """Whether the server still answers at all (GET /v1/models, any OpenAI server has it)."""
         try:
-            url = f"{self.base_url}/v1/models"
-            return self._session().get(url, timeout=CONNECT_TIMEOUT_S).status_code == 200
-        except requests.RequestException:
+            self._models()
+        except openai.OpenAIError:
             return False
+        return True
 
     def served_model(self, preferred: str) -> str:
         """`preferred` if the server serves it, else its only model; a clear error otherwise."""
         try:
-            resp = self._session().get(f"{self.base_url}/v1/models", timeout=CONNECT_TIMEOUT_S)
-            if resp.status_code == 401:
-                given = "a wrong one was" if self._headers else "none was"
-                raise ServerError(
-                    f"{self.base_url}/v1/models: HTTP 401: the server wants an API key and "
-                    f"{given} sent: export {API_KEY_VAR} with the server's key"
-                )
-            resp.raise_for_status()
-            ids = [m["id"] for m in resp.json()["data"]]
-        except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
+            ids = self._models()
+        except openai.AuthenticationError:
+            given = "a wrong one was" if self._has_key else "none was"
+            raise ServerError(
+                f"{self.base_url}/v1/models: HTTP 401: the server wants an API key and "
+                f"{given} sent: export {API_KEY_VAR} with the server's key"
+            ) from None
+        except openai.OpenAIError as exc:
             raise ServerError(
                 f"{self.base_url}/v1/models: no answer from the server ({type(exc).__name__}): "
                 "check generate.server_url(s) and that the server is up"
@@ -246,7 +249,8 @@ def complete_all(
     concurrency: int,
     on_outcome: Callable[[Outcome], None],
 ) -> None:
-    """Send every (id, body) with `concurrency` requests in flight; call `on_outcome` per job.
+    """Send every (id, body) with `concurrency` requests in flight; call `on_outcome` per job,
+    in the order they finish.
 
     Workers are daemon threads and the client is cancelled on any exit (Ctrl-C included), so an
     interrupted run neither waits for requests in flight nor retries against a stopped server.

@@ -1,7 +1,7 @@
 """Start, wait for and always stop a vLLM OpenAI-compatible server: the parent side.
 
 The server runs in its own process group on loopback (or the address `host` names: a cluster
-node's own address) with a free port, logs to a file, and is stopped (SIGTERM, then SIGKILL)
+node's own address), logs to a file, and is stopped (SIGTERM, then SIGKILL)
 and reaped when the `with` block ends for any reason, including Ctrl-C and SIGTERM sent to the
 stage. A SIGKILLed stage runs no cleanup at all, so the server is started under a small watchdog
 (`python -m eagle3_pipeline.serving.server_entry --watch -- CMD`) that kills the group when its
@@ -10,7 +10,14 @@ started through `python -m eagle3_pipeline.serving.server_entry --run MODULE`, w
 CPU patches before vLLM's own entry point runs (serving/server_entry.py: the child side). With
 `api_key`, every route but /health wants that key (auth.py); the key reaches the server through
 its environment only, never its command line or log.
+
+Its port: vLLM binds port 0, so the kernel picks a free one at the bind itself, and
+`wait_ready` reads which from the server process's listening socket. A port chosen here and
+released for vLLM to bind seconds later (after its imports) could be taken by another process
+in between: CI once lost a run that way. Only a port range the user asks for (`port`, a cluster
+node's firewall) is still probed here first.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import requests
 
 from eagle3_pipeline.core import paths
@@ -61,7 +69,7 @@ class ServerSpec:
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     # Where it listens: loopback, or a cluster node's own address (never 0.0.0.0). `port`: the
-    # first port tried, then port+port_step, ... (100 tries); None: any free port.
+    # first port tried, then port+port_step, ... (100 tries); None: the kernel's pick at bind.
     host: str = "127.0.0.1"
     port: int | None = None
     port_step: int = 1
@@ -188,16 +196,48 @@ def healthy(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def wait_ready(url: str, proc: subprocess.Popen | None, spec: ServerSpec) -> None:
+def listening_ports(watchdog_pid: int, host: str) -> list[int]:
+    """The TCP ports the server process (the watchdog's child) listens on at `host`."""
+    try:
+        children = psutil.Process(watchdog_pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    ports: set[int] = set()
+    for child in children:
+        try:
+            conns = child.net_connections(kind="tcp")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        listening = (c for c in conns if c.status == psutil.CONN_LISTEN)
+        ports |= {c.laddr.port for c in listening if c.laddr.ip == host}
+    return sorted(ports)
+
+
+def _ready(started: Launched) -> bool:
+    """Whether the server answers /health, once its port is known (one that answers /health,
+    should the server process listen on more than one)."""
+    if started.port is not None:
+        return healthy(started.url)
+    for port in listening_ports(started.proc.pid, started.spec.host):
+        if healthy(f"http://{started.spec.host}:{port}"):
+            started.port = port
+            return True
+    return False
+
+
+def wait_ready(started: Launched) -> str:
+    """Its base URL once the server answers /health; ServerError with its log's tail if it
+    exits first or is not ready in `ready_timeout_s`."""
+    spec, proc = started.spec, started.proc
     deadline = time.monotonic() + spec.ready_timeout_s
     while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
+        if proc.poll() is not None:
             raise ServerError(
                 f"vLLM server exited with code {proc.returncode} before it was ready; see "
                 f"{spec.log_file} (last lines: {_tail(spec.log_file)})"
             )
-        if healthy(url):
-            return
+        if _ready(started):
+            return started.url
         time.sleep(1.0)
     raise ServerError(
         f"vLLM server not ready after {spec.ready_timeout_s:.0f} s; see {spec.log_file} "
@@ -205,13 +245,26 @@ def wait_ready(url: str, proc: subprocess.Popen | None, spec: ServerSpec) -> Non
     )
 
 
-def launch(spec: ServerSpec) -> tuple[subprocess.Popen, str]:
-    """Start the server of `spec` under the watchdog; (process, base URL), not yet ready.
+@dataclass
+class Launched:
+    """A server started, not yet ready; `port` None until `wait_ready` has read the kernel's."""
+
+    proc: subprocess.Popen
+    spec: ServerSpec
+    port: int | None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.spec.host}:{self.port}"
+
+
+def launch(spec: ServerSpec) -> Launched:
+    """Start the server of `spec` under the watchdog; `wait_ready` gives its URL once ready.
 
     The caller stops it with `stop`; `serve` and `serve_many` do both."""
-    port = free_port(spec.host, spec.port, spec.port_step)
+    port = None if spec.port is None else free_port(spec.host, spec.port, spec.port_step)
     spec.log_file.parent.mkdir(parents=True, exist_ok=True)
-    cmd = command(spec, port)
+    cmd = command(spec, port or 0)
     with open(spec.log_file, "w") as logf:
         logf.write("$ " + " ".join(cmd) + "\n")
         logf.flush()
@@ -223,9 +276,9 @@ def launch(spec: ServerSpec) -> tuple[subprocess.Popen, str]:
             env=server_env(spec.env) | ({auth.KEY_VAR: spec.api_key} if spec.api_key else {}),
             start_new_session=True,
         )
-    url = f"http://{spec.host}:{port}"
-    log("vllm", f"starting server for {spec.model} on {url} (log: {spec.log_file})")
-    return proc, url
+    where = spec.host if port is None else f"{spec.host}:{port}"
+    log("vllm", f"starting server for {spec.model} on {where} (log: {spec.log_file})")
+    return Launched(proc, spec, port)
 
 
 @contextlib.contextmanager
@@ -242,21 +295,18 @@ def serve_many(specs: list[ServerSpec]) -> Iterator[list[str]]:
 
     if previous in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, on_term)
-    started: list[subprocess.Popen] = []
+    started: list[Launched] = []
     try:
         t0 = time.monotonic()
-        urls = []
         for spec in specs:
-            proc, url = launch(spec)
-            started.append(proc)
-            urls.append(url)
-        for spec, proc, url in zip(specs, started, urls, strict=True):
-            wait_ready(url, proc, spec)
-        log("vllm", f"server{'s' if len(specs) > 1 else ''} ready in {time.monotonic() - t0:.0f} s")
+            started.append(launch(spec))
+        urls = [wait_ready(s) for s in started]
+        s = "s" if len(specs) > 1 else ""
+        log("vllm", f"server{s} ready in {time.monotonic() - t0:.0f} s on {', '.join(urls)}")
         yield urls
     finally:
-        for proc in started:
-            stop(proc)
+        for server in started:
+            stop(server.proc)
         if previous in (signal.SIG_DFL, None):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 

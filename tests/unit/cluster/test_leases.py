@@ -76,7 +76,7 @@ def _bodies(ids: list[str]) -> dict[str, dict]:
 
 
 def _server(label: str, url: str, **kw: Any) -> leases.Server:
-    client = ChatClient(url, timeout_s=30, max_retries=2, backoff_s=0.01, stage="test")
+    client = ChatClient(url, timeout_s=30, max_retries=2, stage="test")
     return leases.Server(label, client, **kw)
 
 

@@ -112,10 +112,11 @@ def test_run_prompts_keeps_prompt_order_and_concurrency(fake) -> None:
     assert sorted(server.requested_ids()) == [f"q{i}" for i in range(len(CONVERSATIONS))]
 
 
-def test_transient_failures_are_retried(fake, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(measure.ChatClient, "backoff", lambda self, attempt: 0.01)
+def test_transient_failures_are_retried(fake) -> None:
     server = fake(
-        sequence(error(503, "overloaded"), reply("r", "c", token_ids=[1], completion_tokens=1))
+        sequence(
+            error(503, "overloaded", 0.01), reply("r", "c", token_ids=[1], completion_tokens=1)
+        )
     )
     got = measure.complete(measure.client(server.url, SETTINGS), {"messages": []})
     assert got == ([1], "rc", 1, None)

@@ -18,7 +18,6 @@ from eagle3_pipeline.conversations import generation_rows
 from eagle3_pipeline.core import atomic, readers, resume
 from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.serving import server as vllm_server
-from eagle3_pipeline.serving.chat import ChatClient
 from eagle3_pipeline.stages import generate
 
 EMITTED = [11, 12, 13]  # what the fake verifier "emitted", as vLLM returns it with token ids
@@ -182,12 +181,11 @@ def test_stage_failed_rows_go_to_the_sidecar_and_a_rerun_retries_only_them(
         if rid == "q03":
             return error(400, "prompt is too long")
         if rid == "q05":
-            return error(500, "engine hiccup")
+            return error(500, "engine hiccup", retry_after_s=0.01)
         return healthy(body)
 
     server = fake(flaky)
     params = vllm_params(_fake_verifier(tmp_path), server_url=server.url, max_retries=1)
-    monkeypatch.setattr(ChatClient, "backoff", lambda self, attempt: 0.01)
     generate.run(params)
 
     failed = readers.read_jsonl(tmp_path / "data/generated/failed.jsonl")
@@ -258,7 +256,6 @@ def test_stage_stops_when_the_server_stops_answering(tmp_path: Path, fake, monke
         return DROP
 
     server = fake(dies_after_three)
-    monkeypatch.setattr(ChatClient, "backoff", lambda self, attempt: 0.01)
     params = vllm_params(
         _fake_verifier(tmp_path), server_url=server.url, concurrency=1, max_retries=2
     )
