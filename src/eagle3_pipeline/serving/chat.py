@@ -1,15 +1,10 @@
-"""Chat completions against an OpenAI-compatible server (vLLM), concurrent, on the `openai` client.
+"""Chat completions against vLLM's OpenAI API, concurrent, on the `openai` client.
 
-The client retries what may pass on a second try (no answer, timeouts, 408, 409, 429, 5xx) with
-backoff, honouring the server's `Retry-After`; any other 4xx is the request's own fault (prompt
-too long, bad parameter) and fails at once. A request that still fails becomes an `Outcome` with
-a one-line reason instead of an exception, so one bad row never stops a run of thousands.
-Results come back on the caller's thread, where journaling is safe.
-
-Two httpx event hooks (public API) add what the project needs on top: each retry is logged in
-one line and counted (openai numbers its attempts in the `x-stainless-retry-count` header), and
-a cancelled client sends no further attempt, so a stopped run does not retry against a server
-it gave up.
+openai retries what may pass (no answer, timeouts, 408, 409, 429, 5xx) with backoff, after the
+server's `Retry-After`; any other 4xx is the request's own fault and fails at once. A request
+that still fails is one line of reason, never an exception that stops a run of thousands.
+Two httpx event hooks add the rest: each retry is logged and counted (openai numbers attempts in
+`x-stainless-retry-count`), and a cancelled client sends no further attempt.
 """
 
 from __future__ import annotations
@@ -39,11 +34,8 @@ _log_lock = threading.Lock()  # one retry line at a time: print() writes text an
 
 
 class RequestFailed(Exception):
-    """A request that failed for good; the message is the reason kept in the sidecar.
-
-    `transient`: it failed the retryable way (no answer, 5xx, 429) every time, which hints that
-    the server itself is gone, rather than being refused (4xx).
-    """
+    """A request that failed for good: the reason kept in the sidecar. `transient`: it failed
+    the retried way every time (no answer, 5xx), a hint that the server itself is gone."""
 
     def __init__(self, reason: str, transient: bool = False) -> None:
         super().__init__(reason)
@@ -75,12 +67,11 @@ class Outcome:
     id: str
     reply: ChatReply | None = None
     error: str | None = None
-    transient: bool = False
 
 
 def parse_reply(response: ChatCompletion) -> ChatReply:
-    """The first choice; reasoning from `reasoning` (vLLM >= 0.10) or `reasoning_content`, and
-    vLLM's extra fields, which openai's models keep as attributes."""
+    """The first choice; reasoning from `reasoning` (vLLM >= 0.10) or `reasoning_content`; vLLM's
+    extra fields are attributes of openai's models."""
     try:
         choice = response.choices[0]
         message = choice.message
@@ -112,8 +103,7 @@ def _root_cause(exc: BaseException) -> str:
 
 def _server_message(exc: openai.APIStatusError) -> str:
     """The server's own words (OpenAI error JSON), else the start of the body."""
-    body = exc.body
-    text = body.get("message") if isinstance(body, dict) else body
+    text = exc.body.get("message") if isinstance(exc.body, dict) else exc.body
     return " ".join(str(text or exc.response.text or exc.response.reason_phrase).split())[:300]
 
 
@@ -170,10 +160,7 @@ class ChatClient:
         return f" (gave up after {attempts} attempts)" if attempts > 1 else ""
 
     def post(self, path: str, body: dict[str, Any]) -> ChatCompletion:
-        """The answer to one POST of `body` as is (vLLM's extra fields included), retried by
-        openai; raises RequestFailed with a one-line reason."""
-        if self.cancelled.is_set():
-            raise RequestFailed("cancelled")
+        """The answer to `body` sent as is (vLLM's fields too); RequestFailed in one line."""
         try:
             return self._openai.post(path, body=body, cast_to=ChatCompletion)
         except _Cancelled:
@@ -182,11 +169,10 @@ class ChatClient:
             retried = exc.status_code in (408, 409, 429) or exc.status_code >= 500
             reason = f"HTTP {exc.status_code}: {_server_message(exc)}"
             raise RequestFailed(reason + self._gave_up(), transient=retried) from None
-        except openai.APITimeoutError:
-            reason = f"timed out after {self.timeout_s:.0f} s"
-            raise RequestFailed(reason + self._gave_up(), transient=True) from None
-        except openai.APIConnectionError as exc:
+        except openai.APIConnectionError as exc:  # APITimeoutError is one
             reason = f"connection error: {_root_cause(exc)}"
+            if isinstance(exc, openai.APITimeoutError):
+                reason = f"timed out after {self.timeout_s:.0f} s"
             raise RequestFailed(reason + self._gave_up(), transient=True) from None
 
     def chat(self, body: dict[str, Any]) -> ChatReply:
@@ -238,7 +224,7 @@ def _worker(client: ChatClient, jobs: queue.Queue, results: queue.Queue) -> None
         try:
             results.put(Outcome(job_id, reply=client.chat(body)))
         except RequestFailed as exc:
-            results.put(Outcome(job_id, error=str(exc), transient=exc.transient))
+            results.put(Outcome(job_id, error=str(exc)))
         except BaseException as exc:  # a bug, not a failed row: re-raised on the caller's thread
             results.put(exc)
 
@@ -249,12 +235,9 @@ def complete_all(
     concurrency: int,
     on_outcome: Callable[[Outcome], None],
 ) -> None:
-    """Send every (id, body) with `concurrency` requests in flight; call `on_outcome` per job,
-    in the order they finish.
-
-    Workers are daemon threads and the client is cancelled on any exit (Ctrl-C included), so an
-    interrupted run neither waits for requests in flight nor retries against a stopped server.
-    """
+    """Send every (id, body), `concurrency` in flight; `on_outcome` per job as each finishes.
+    Workers are daemon threads and the client is cancelled on any exit (Ctrl-C included): an
+    interrupted run neither waits for requests in flight nor retries against a stopped server."""
     todo: queue.Queue = queue.Queue()
     for job in jobs:
         todo.put(job)
