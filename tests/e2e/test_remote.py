@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -80,12 +79,6 @@ def teammate(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return repo
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """moto's S3 server on loopback; credentials exist only in this environment."""
@@ -95,9 +88,9 @@ def s3_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]
     aws_dir = tmp_path_factory.mktemp("aws")  # no user AWS config or profile can leak in
     (aws_dir / "config").write_text("")
     (aws_dir / "credentials").write_text("")
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    _, port = server.get_host_and_port()  # the kernel's pick at bind: no port to race for
     creds = {
         "AWS_ACCESS_KEY_ID": "fake-key-id",
         "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
