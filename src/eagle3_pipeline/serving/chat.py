@@ -137,7 +137,7 @@ class ChatClient:
         )
 
     def _before_attempt(self, request: httpx2.Request) -> None:
-        if self.cancelled.is_set():
+        if self.cancelled.is_set() and request.method == "POST":  # not /v1/models: a check
             raise _Cancelled("cancelled")
         attempt = int(request.headers.get(RETRY_HEADER, "0"))
         self._local.attempts = attempt + 1

@@ -115,6 +115,7 @@ def test_a_cancelled_client_sends_no_further_attempt(fake) -> None:
     with pytest.raises(RequestFailed, match="^cancelled$"):
         client.chat(BODY)
     assert len(server.bodies) == 1
+    assert client.served_model("verifier") == "verifier"  # what is served can still be asked
 
 
 def test_served_model_names_a_missing_key(fake) -> None:
