@@ -35,6 +35,7 @@ GENERATE = {
     "chat_template_kwargs": {"thinking": True},
 }  # servers on ports 8410-8419: the cluster's from 8410, the single node's 8416
 READY = re.compile(r"cluster: server on (\S+) ready at (http://\S+)")
+SENDING = "prompts to 2 servers"
 
 
 def _env() -> dict[str, str]:
@@ -113,6 +114,8 @@ def test_generate_across_two_nodes_survives_a_killed_server_with_identical_rows(
                 log,
             )
             (node_a, url_a), (node_b, url_b) = ready
+            # Frozen only once the stage has asked both what they serve and leases prompts.
+            _wait_for("the first leases", lambda: SENDING in log.read_text(), proc, log)
             assert node_a != node_b and url_a != url_b
             if NETNS:  # each server on its own node's address
                 assert url_a.split(":")[1] != url_b.split(":")[1], (url_a, url_b)

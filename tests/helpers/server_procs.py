@@ -1,5 +1,6 @@
 """Find the vLLM servers a test started: by a tag in their environment (also once re-parented),
-or by the port on their command line; and the run's API key a server holds."""
+or by the port they listen on (the kernel's pick: `--port 0` on their command line); and the
+run's API key a server holds."""
 
 from __future__ import annotations
 
@@ -32,16 +33,44 @@ def wait_none_tagged(tag: str, timeout_s: float = 60.0) -> list[int]:
     return left
 
 
+def _listens(pid: int, port: int) -> bool:
+    """Whether process `pid` holds a socket listening on TCP `port`, any address, in its own
+    network namespace (/proc/PID/net/tcp: a cluster node's namespace, not this process's)."""
+    try:
+        inodes = {
+            os.readlink(fd)[8:-1]
+            for fd in Path(f"/proc/{pid}/fd").iterdir()
+            if os.readlink(fd).startswith("socket:[")
+        }
+        tables = [Path(f"/proc/{pid}/net/{t}").read_text() for t in ("tcp", "tcp6")]
+    except OSError:
+        return False
+    for line in "".join(t.split("\n", 1)[1] for t in tables).splitlines():
+        cols = line.split()  # sl local_address rem_address st ... inode (column 9)
+        if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port and cols[9] in inodes:
+            return True
+    return False
+
+
 def server_pids(port: int) -> list[int]:
-    """The watchdog and vLLM processes of the server on `port` (its command line names it)."""
-    found = []
+    """The watchdog and vLLM processes of the server listening on `port`: the ones that listen
+    on it (the API server, and the engine core it forked), their watchdog, which names `--port
+    0`, and a server started on a port asked for, whose command line names it."""
+    entries: dict[int, list[bytes]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
-                if b"eagle3_pipeline.serving.server_entry" in argv and str(port).encode() in argv:
-                    found.append(int(entry.name))
-    return found
+                if b"eagle3_pipeline.serving.server_entry" in argv:
+                    entries[int(entry.name)] = argv
+    found = {pid for pid, argv in entries.items() if str(port).encode() in argv}
+    found |= {pid for pid in entries if _listens(pid, port)}
+    for pid in list(found):
+        with contextlib.suppress(OSError, IndexError):
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent in entries:
+                found.add(parent)
+    return sorted(found)
 
 
 def server_key(pid: int) -> str:

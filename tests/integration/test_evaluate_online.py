@@ -11,6 +11,7 @@ before the fixture returns, so the last test can check that none of their proces
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 import torch
 from drafter_fixtures import build_drafter
 from safetensors.torch import load_file, save_file
+from server_procs import server_pids
 from verifiers import build_tiny_verifier
 
 from eagle3_pipeline.evaluation import online as oe
@@ -128,20 +130,10 @@ def _group_members(pgids: set[int] | dict[int, Any]) -> list[int]:
 
 
 def _server_pgid(url: str) -> int:
-    """The process group of the api_server listening on the url's port."""
-    port = url.rsplit(":", 1)[1]
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"vllm.entrypoints.openai.api_server" in argv and port.encode() in argv:
-            stat = _proc_stat(int(entry.name))
-            if stat is not None:
-                return stat[1]
-    raise AssertionError(f"no vLLM api_server process found for {url}")
+    """The process group of the server listening on the url's port."""
+    pids = server_pids(int(url.rsplit(":", 1)[1]))
+    assert pids, f"no vLLM server process found for {url}"
+    return os.getpgid(pids[0])
 
 
 def _base_spec(verifier: Path, logs: Path) -> ServerSpec:
