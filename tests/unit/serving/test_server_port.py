@@ -15,9 +15,13 @@ from eagle3_pipeline.serving.server import ServerSpec
 # Listens on a raw socket first (as vLLM's API server may, e.g. for ZMQ), then serves /health on
 # the port it was given (0: the kernel's pick) and prints both.
 STAND_IN = """
-import socket, sys, time
+import socket, sys, threading, time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 raw = socket.socket(); raw.bind((sys.argv[1], 0)); raw.listen()
+def hang_up():  # no HTTP here: a probe fails at once instead of timing out
+    while True:
+        raw.accept()[0].close()
+threading.Thread(target=hang_up, daemon=True).start()
 class H(BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200 if self.path == "/health" else 404); self.end_headers()
