@@ -35,7 +35,7 @@ _log_lock = threading.Lock()  # one retry line at a time: print() writes text an
 
 class RequestFailed(Exception):
     """A request that failed for good: the reason kept in the sidecar. `transient`: it failed
-    the retried way every time (no answer, 5xx), a hint that the server itself is gone."""
+    the retried way every time (no answer, 429, 5xx), a hint that the server itself is gone."""
 
     def __init__(self, reason: str, transient: bool = False) -> None:
         super().__init__(reason)
@@ -96,8 +96,12 @@ def parse_reply(response: ChatCompletion) -> ChatReply:
 
 def _root_cause(exc: BaseException) -> str:
     """`ConnectError: [Errno 111] Connection refused`, not the wrappers around it."""
-    while isinstance(exc.__cause__ or exc.__context__, BaseException):
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    seen = {id(exc)}
+    while isinstance(inner := exc.__cause__ or exc.__context__, BaseException):
+        if id(inner) in seen:  # a chain that loops back
+            break
+        exc = inner
+        seen.add(id(exc))
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
 
 
