@@ -9,6 +9,8 @@ import os
 import time
 from pathlib import Path
 
+import psutil
+
 TAG_VAR = "EAGLE3_TEST_SERVER_TAG"
 
 
@@ -66,9 +68,8 @@ def server_pids(port: int) -> list[int]:
     found = {pid for pid, argv in entries.items() if str(port).encode() in argv}
     found |= {pid for pid in entries if _listens(pid, port)}
     for pid in list(found):
-        with contextlib.suppress(OSError, IndexError):
-            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            if parent in entries:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if (parent := psutil.Process(pid).ppid()) in entries:
                 found.add(parent)
     return sorted(found)
 

@@ -11,16 +11,15 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import requests
 import yaml
+from fake_openai import error, fake_servers
 from fake_openai import row_id as _row_id
 from generate_workspace import output_rows, prepare_rows, vllm_params
 from server_procs import TAG_VAR, tagged_pids, wait_none_tagged
@@ -104,46 +103,21 @@ def test_rows_are_split_by_the_real_reasoning_parser(
 
 @contextlib.contextmanager
 def _throttled(upstream: str, refusals: int, retry_after_s: int) -> Iterator[tuple[str, list]]:
-    """A proxy to `upstream` that answers its first `refusals` POSTs 429 with Retry-After, as a
-    rate-limiting gateway in front of vLLM does; yields its URL and (time, status) per POST."""
+    """A proxy to `upstream`'s chat completions that answers its first `refusals` POSTs 429 with
+    Retry-After, as a rate-limiting gateway in front of vLLM does; yields its URL and (time,
+    status) per POST."""
     seen: list[tuple[float, int]] = []
 
-    class Proxy(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
+    def respond(body: dict) -> tuple:
+        if len(seen) < refusals:
+            seen.append((time.monotonic(), 429))
+            return error(429, "rate limited", retry_after_s=retry_after_s)
+        resp = requests.post(f"{upstream}/v1/chat/completions", json=body, timeout=60)
+        seen.append((time.monotonic(), resp.status_code))
+        return resp.status_code, resp.json()
 
-        def do_GET(self) -> None:
-            self._answer(requests.get(upstream + self.path, timeout=60))
-
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            if len(seen) < refusals:
-                seen.append((time.monotonic(), 429))
-                self.send_response(429)
-                self.send_header("Retry-After", str(retry_after_s))
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
-            seen.append((time.monotonic(), 200))
-            headers = {"Content-Type": "application/json"}
-            self._answer(
-                requests.post(upstream + self.path, data=body, headers=headers, timeout=60)
-            )
-
-        def _answer(self, resp: requests.Response) -> None:
-            self.send_response(resp.status_code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(resp.content)))
-            self.end_headers()
-            self.wfile.write(resp.content)
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
-    threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}", seen
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with fake_servers() as start:
+        yield start(respond).url, seen
 
 
 @pytest.mark.vllm

@@ -68,7 +68,7 @@ def _prune_unlisted(fractions: list[float]) -> None:
     for d in sorted(paths.CURVE_FRACTIONS.iterdir()):
         if d.is_dir() and d.name not in keep:
             shutil.rmtree(d)
-            log("curve", f"removed {d}: fraction {d.name} is no longer in curve.fractions")
+            log(STAGE, f"removed {d}: fraction {d.name} is no longer in curve.fractions")
 
 
 def run(params: Params) -> None:

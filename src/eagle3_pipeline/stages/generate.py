@@ -242,8 +242,8 @@ def _generate_vllm(
     id); return the failures {id, reason}."""
     g = params.generate
     models = {s.label: s.client.served_model(SERVED_NAME) for s in servers}
-    where = "1 server" if len(servers) == 1 else f"{len(servers)} servers"
-    log(STAGE, f"sending {len(rows)} prompts to {where}, {g.concurrency} in flight each")
+    fleet = "1 server" if len(servers) == 1 else f"{len(servers)} servers"
+    log(STAGE, f"sending {len(rows)} prompts to {fleet}, {g.concurrency} in flight each")
     by_id = {r["id"]: r for r in rows}
     bodies = {r["id"]: request_body(params, SERVED_NAME, r) for r in rows}
     failed: list[dict] = []
