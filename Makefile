@@ -16,7 +16,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export DVC_NO_ANALYTICS := 1
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: real-model bench-real venv lock lock-check image-imports train repro profile plan test test-fast lint status metrics plots report push pull bench gpu-check docker-build docker-train docker-plan docker clean-work cluster-local cluster-down
+.PHONY: dag real-model bench-real venv lock lock-check image-imports train repro profile plan test test-fast lint status metrics plots report push pull bench gpu-check docker-build docker-train docker-plan docker clean-work cluster-local cluster-down
 
 ifdef SKIP_VENV
 venv:  # the container's environment is already installed (Dockerfile)
@@ -25,17 +25,33 @@ venv: $(STAMP)
 endif
 
 # Exactly locks/cpu.txt, hash-checked, nothing resolved: first the build backend and the pinned
-# uv (locks/build.txt, by pip), then uv makes the venv equal to the lock. torch's +cpu wheel is a
-# local file: uv reads it from pip's find-links folder (uv does not read pip's configuration).
+# uv (locks/build.txt, by pip, from PyPI), then uv makes the venv equal to the lock (PyPI).
+# The lock admits one interpreter, CPython 3.11 on x86_64 Linux with glibc >= 2.28 (PYTHON picks
+# it), and torch's CPU build, torch==2.13.0+cpu, which PyPI does not serve: it comes from a folder
+# holding the wheel (FIND_LINKS; by default pip's global.find-links, which uv does not read itself)
+# or from PyTorch's CPU index (TORCH_INDEX=https://download.pytorch.org/whl/cpu: pip downloads
+# that one wheel, hash-checked against the lock, into .whl/). scripts/venv_check.py refuses any
+# other set-up in one line before anything is created.
 # Bytecode is compiled once here (uv does not by default, unlike pip): where PYTHONDONTWRITEBYTECODE
 # is set, every process would otherwise compile what it imports, e.g. 15 s instead of 7 s for
 # vLLM's server on 2 cores, in every stage, server and test.
-FIND_LINKS ?= $(shell python3 -m pip config get global.find-links 2>/dev/null)
+PYTHON ?= python3
+FIND_LINKS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+TORCH_INDEX ?=
+TORCH_WHEELS = $(if $(TORCH_INDEX),.whl,$(FIND_LINKS))
 $(STAMP): locks/cpu.txt locks/build.txt pyproject.toml Makefile  # a recipe change reaches old venvs
-	test -x $(PY) || python3 -m venv $(VENV)
+	$(eval VENV_PROBLEM := $(shell { $$(test -x $(PY) && echo $(PY) || echo $(PYTHON)) \
+		scripts/venv_check.py --find-links "$(FIND_LINKS)" --torch-index "$(TORCH_INDEX)" \
+		|| test $$? = 2 || echo "PYTHON=$(PYTHON) does not run: pass PYTHON=<a CPython 3.11>"; \
+		} 2>/dev/null))
+	$(if $(VENV_PROBLEM),$(error $(VENV_PROBLEM)))
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -qq --no-deps --require-hashes -r locks/build.txt
+	$(if $(TORCH_INDEX),$(PY) scripts/venv_check.py --torch-requirement > $(VENV)/torch-req.txt)
+	$(if $(TORCH_INDEX),$(PY) -m pip download -q --no-deps --only-binary=:all: --require-hashes \
+		--index-url $(TORCH_INDEX) -d .whl -r $(VENV)/torch-req.txt)
 	$(BIN)/uv pip sync -q --compile-bytecode --python $(PY) --require-hashes --no-build-isolation \
-		$(if $(FIND_LINKS),--find-links $(FIND_LINKS)) locks/cpu.txt
+		$(if $(TORCH_WHEELS),--find-links $(TORCH_WHEELS)) locks/cpu.txt
 	$(BIN)/uv pip install -q --python $(PY) --no-deps --no-build-isolation --offline -e .
 	touch $@
 
@@ -96,6 +112,10 @@ lint: venv
 
 status: venv
 	$(BIN)/dvc status
+
+# The pipeline on one page: each stage of dvc.yaml, in order, with the stages it reads from.
+dag: venv
+	@$(PY) scripts/dag.py
 
 metrics: venv
 	$(BIN)/dvc metrics show

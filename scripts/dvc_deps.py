@@ -1,10 +1,13 @@
-"""Each DVC stage's deps = the package modules it imports, transitively, plus the files its path
-params point to (`verifier.tiny.corpus`, `train.init_from`) where no other dep holds them.
+"""Each DVC stage's deps = the package modules it imports, transitively; and the files its path
+params point to (`verifier.tiny.corpus`, `train.init_from`) are what the stage last read.
 
 `python scripts/dvc_deps.py` rewrites the `${pkg}/...` lines of every stage in dvc.yaml from the
-import closure of `eagle3_pipeline.stages.<stage>` and the `# param:` lines from params.yaml
-(other deps, data and params, stay as they are); `--check` only reports. `make train` runs it
-before `dvc repro`; tests/unit/test_dvc_yaml.py runs the same closure.
+import closure of `eagle3_pipeline.stages.<stage>` (other deps, data and params, stay as they are),
+so dvc.yaml changes only with the code, never with params.yaml or the machine: a path param names
+a machine's files (`/models/...`) and stays out of it. Instead, where such a path lies under none
+of its stage's deps, this refuses (exit 2, one line per path) while the files there differ from
+those the stage last read (harness/stage_deps.py records them). `--check` only reports. `make
+train` runs it before `dvc repro`; tests/unit/test_dvc_yaml.py runs the same closure.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from eagle3_pipeline.config.params import Params, load_params  # noqa: E402
+from eagle3_pipeline.config.params import load_params  # noqa: E402
 from eagle3_pipeline.harness import stage_deps  # noqa: E402
 
 PKG = stage_deps.PKG
@@ -49,26 +52,20 @@ def _block(text: str, stage: str) -> tuple[re.Match[str], str]:
     raise SystemExit(f"dvc.yaml: stage {stage}: expected `cmd:` then `deps:` lines")
 
 
-def rewrite(text: str, stages: list[str], params: Params | None = None) -> str:
+def rewrite(text: str, stages: list[str]) -> str:
+    """The code lines of each stage's deps from its imports; a `# param:` line (a path param's
+    files, machine-specific) is dropped."""
     for name in stages:
         m, indent = _block(text, name)
         # The modules are the command's (`eagle3 train --family ...` runs stages/train.py).
         commands = list(dict.fromkeys(re.findall(r"eagle3 (\w+)", m.group(1))))
-        stage = commands[0]
         others = [
             line
             for line in m.group(2).splitlines(True)
             if "${pkg}" not in line and stage_deps.PARAM_MARK not in line
         ]
         code = "".join(f"{indent}- ${{pkg}}/{r}\n" for r in stage_deps_lines(*commands))
-        wanted = stage_deps.path_params(stage, params) if params is not None else {}
-        literal = [d for d in map(stage_deps.dep_path, others) if "${" not in d]
-        extra = "".join(
-            f"{indent}- {path}  {stage_deps.PARAM_MARK}{key}\n"
-            for key, path in wanted.items()
-            if not stage_deps.covered(path, literal, REPO)
-        )
-        text = text.replace(m.group(0), m.group(1) + code + "".join(others) + extra)
+        text = text.replace(m.group(0), m.group(1) + code + "".join(others))
     return text
 
 
@@ -93,18 +90,23 @@ def check_params(text: str) -> str:
     return text.replace(m.group(0), m.group(1) + "".join(f"      - {k}\n" for k in keys))
 
 
-def main(argv: list[str]) -> int:
-    dvc_yaml = REPO / "dvc.yaml"
+def main(argv: list[str], root: Path = REPO) -> int:
+    dvc_yaml = root / "dvc.yaml"
     text = dvc_yaml.read_text()
-    params_file = REPO / "params.yaml"
-    params = load_params(params_file) if params_file.is_file() else None
-    new = check_params(rewrite(text, list(yaml.safe_load(text)["stages"]), params))
+    new = check_params(rewrite(text, list(yaml.safe_load(text)["stages"])))
     if "--check" in argv:
         print("dvc.yaml deps match the imports" if new == text else "dvc.yaml deps are stale")
         return int(new != text)
     if new != text:
         dvc_yaml.write_text(new)
-        print("dvc.yaml: stage deps rewritten (imports and path params)")
+        print("dvc.yaml: stage deps rewritten from the imports")
+    params_file = root / "params.yaml"
+    if params_file.is_file():
+        changed = stage_deps.changed_path_params(load_params(params_file), root)
+        for line in changed:
+            print(f"error: {line}", file=sys.stderr)
+        if changed:
+            return 2
     return 0
 
 

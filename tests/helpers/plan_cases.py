@@ -28,6 +28,29 @@ AQ_MEDAI = REPO / "tests/fixtures/aq-medai-kimi-k25-eagle3/config.json"
 KIMI_ARGS = ["--verifier-config", str(KIMI), "--init-config", str(AQ_MEDAI)]
 
 
+def char_tokenizer(folder: Path, template: str | None) -> Path:
+    """A character-level tokenizer with <think> tokens, saved as transformers 5 saves one (the
+    template, if any, as chat_template.jinja)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = ["<unk>", "<s>", "</s>", "<think>", "</think>"] + [chr(c) for c in range(32, 127)]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=["<think>", "</think>"],
+    )
+    if template is not None:
+        fast.chat_template = template
+    folder.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(folder)
+    return folder
+
+
 def kimi_plan(**overrides: Any) -> plan.Plan:
     params = load_params(PROFILE)
     return plan.make_plan(params, PROFILE, KIMI, AQ_MEDAI, **overrides)

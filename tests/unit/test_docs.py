@@ -282,3 +282,50 @@ def test_architecture_tree_names_every_module() -> None:
     }
     have[""] = {p.stem for p in pkg.glob("*.py")} - {"__init__"}
     assert listed == have, "update docs/architecture.md's tree to the package as it is"
+
+
+def test_readme_stage_table_is_dvc_yaml_in_order() -> None:
+    """README's stage table names every stage of dvc.yaml, in its order: a `foreach` stage as
+    `name@KEY` (one row for all its branches)."""
+    text = doc_text(README)
+    section = text[text.index("## Stages") :].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([\w@]+)` \|", section, re.M)
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    assert [r.split("@")[0] for r in rows] == list(stages), (
+        f"README.md's stage table lists {rows}; dvc.yaml runs {list(stages)} (`make dag`)"
+    )
+    for row in rows:
+        assert ("@" in row) == ("foreach" in stages[row.split("@")[0]]), row
+
+
+def test_profiles_without_speedup_rounds_are_said_to_report_no_speed_up() -> None:
+    """A profile with evaluate.speedup_rounds 0 measures no speed-up; README and
+    docs/evaluation.md say which profiles those are."""
+    silent = sorted(
+        p.stem
+        for p in (REPO / "profiles").glob("*.yaml")
+        if (yaml.safe_load(p.read_text()).get("evaluate") or {}).get("speedup_rounds") == 0
+    )
+    assert silent, "no profile sets evaluate.speedup_rounds: 0: update README and evaluation.md"
+    evaluation = doc_text(REPO / "docs/evaluation.md")
+    missing = [p for p in silent if f"`{p}`" not in evaluation]
+    assert not missing, f"docs/evaluation.md does not name {missing} as reporting no speed-up"
+    assert all(p.startswith("kimi-") for p in silent), (
+        f"README.md says the Kimi profiles are the ones without a speed-up; {silent} set 0"
+    )
+    assert "The Kimi profiles set `evaluate.speedup_rounds: 0`" in doc_text(README)
+
+
+def test_make_dag_fits_a_page() -> None:
+    """`make dag` (scripts/dag.py) prints every stage once, within 100 columns."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dag", REPO / "scripts/dag.py")
+    assert spec is not None and spec.loader is not None
+    dag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dag)
+    lines = dag.lines((REPO / "dvc.yaml").read_text())
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    assert [line.split()[0].split("@")[0] for line in lines[1:]] == list(stages)
+    assert max(map(len, lines)) <= 100 and len(lines) <= 60
+    assert "dag" in make_targets()

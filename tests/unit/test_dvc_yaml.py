@@ -82,3 +82,66 @@ def test_rewrite_keeps_a_foreach_stage_under_do() -> None:
     code = {d.replace("${pkg}", "src/eagle3_pipeline") for d in body["deps"] if d.endswith(".py")}
     assert {REPO / d for d in code} == dvc_deps.closure("eagle3_pipeline.stages.train")
     assert "data/vocab" in body["deps"] and body["outs"] == ["models/families/${key}"]
+
+
+def _kimi_repo(tmp_path: Path, init_from: Path) -> Path:
+    """A workspace with the tracked dvc.yaml and the kimi-k2.5 profile as params.yaml, its init
+    checkpoint at `init_from` (outside the workspace, as /models/... is)."""
+    raw = yaml.safe_load((REPO / "profiles/kimi-k2.5.yaml").read_text())
+    raw["train"]["init_from"] = str(init_from)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "params.yaml").write_text(yaml.safe_dump(raw))
+    (repo / "dvc.yaml").write_text((REPO / "dvc.yaml").read_text())
+    return repo
+
+
+def test_make_train_with_a_kimi_profile_leaves_dvc_yaml_as_committed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """dvc.yaml is the same on every teammate's machine: a path param, e.g. the /models/...
+    folder of train.init_from, never becomes one of its deps."""
+    init = tmp_path / "models/AQ-MedAI-Kimi-K25-eagle3"
+    init.mkdir(parents=True)
+    (init / "config.json").write_text("{}")
+    repo = _kimi_repo(tmp_path, init)
+    assert dvc_deps.main([], root=repo) == 0
+    assert (repo / "dvc.yaml").read_text() == (REPO / "dvc.yaml").read_text()
+    assert str(init) not in (repo / "dvc.yaml").read_text()
+    assert dvc_deps.main(["--check"], root=repo) == 0
+    assert "dvc.yaml deps match the imports" in capsys.readouterr().out
+
+
+def test_a_changed_checkpoint_at_the_same_path_stops_make_train(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DVC sees train.init_from's value only: new files at the same path must rerun the stages
+    that read them, and make train says which before dvc repro would skip them."""
+    from eagle3_pipeline.config.params import load_params
+    from eagle3_pipeline.harness import stage_deps
+
+    init = tmp_path / "models/drafter"
+    init.mkdir(parents=True)
+    (init / "model.safetensors").write_bytes(b"v1")
+    repo = _kimi_repo(tmp_path, init)
+    params = load_params(repo / "params.yaml")
+    for stage in ("train", "export", "evaluate", "extract"):  # as each stage starts
+        stage_deps.check_path_params(stage, params, repo)
+    assert set(yaml.safe_load((repo / stage_deps.RECORDS).read_text())) == {
+        "train",
+        "export",
+        "evaluate",
+    }
+    assert dvc_deps.main([], root=repo) == 0
+    (init / "model.safetensors").write_bytes(b"v2, longer")
+    assert dvc_deps.main([], root=repo) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: train.init_from: the files at {init} changed since train, export, evaluate last "
+        "ran, and DVC sees only the path: run `dvc repro -f -s train export evaluate`, then "
+        "`make train`\n"
+    )
+    for stage in ("train", "export", "evaluate"):
+        stage_deps.check_path_params(stage, params, repo)
+    assert dvc_deps.main([], root=repo) == 0
+    assert (repo / "dvc.yaml").read_text() == (REPO / "dvc.yaml").read_text()

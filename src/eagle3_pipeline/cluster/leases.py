@@ -1,14 +1,14 @@
 """Prompts leased to servers: one server or a fleet, the same loop.
 
-Each prompt id is leased to one server at a time; `concurrency` threads per server take leases
-in id order and send the requests. A server is lost when it stops answering (a request failed
-the transient way and /v1/models does not answer) or when its watcher says so (the Ray worker
-that ran it saw it exit, or died): its open leases go back to the front of the queue for the
-others. Replies come back to the caller's thread, which alone settles a lease and writes the
-journal, so a reply that arrives after its server was declared lost and the same prompt's reply
-from the server that took it over cannot both be written: the first settles it, the other is
-dropped. A prompt whose server was lost under it `max_losses` times is failed (it may be what
-kills the servers) instead of taking the whole fleet down.
+Each prompt id is leased to one server at a time; `concurrency` threads per server take leases in id
+order and send the requests. A server is lost when it stops answering (a request failed the
+transient way and /v1/models does not answer) or when its watch says so (within a second or two: the
+server's watch in this process, or the Ray worker that ran it saw it stop, or died): its open leases
+go back to the front of the queue for the others. Replies come back to the caller's thread, which
+alone settles a lease and writes the journal, so a reply that arrives after its server was declared
+lost and the same prompt's reply from the server that took it over cannot both be written: the first
+settles it, the other is dropped. A prompt whose server was lost under it `max_losses` times is
+failed (it may be what kills the servers) instead of taking the whole fleet down.
 """
 
 from __future__ import annotations
@@ -28,11 +28,18 @@ POLL_S = 0.5  # how often the caller's thread asks the watchers while no reply c
 @dataclass
 class Server:
     """One server of the fleet: `label` names it in logs and provenance (its node, or its URL);
-    `gone()` answers True once the server is known dead without asking it over HTTP."""
+    `gone()` answers why once the server is known dead without asking it over HTTP (a cluster
+    node's worker saw it stop), else None."""
 
     label: str
     client: ChatClient
-    gone: Callable[[], bool] = field(default=lambda: False)
+    gone: Callable[[], str | None] = field(default=lambda: None)
+
+
+def down(server: Server) -> str | None:
+    """Why `server` stopped, as its watch (a server this process started: serving/server.py)
+    or its node's worker saw it; None while it serves or nobody has seen it stop."""
+    return server.client.down() or server.gone()
 
 
 @dataclass(frozen=True)
@@ -175,9 +182,14 @@ def _send(
             try:
                 reply = server.client.chat(bodies[job] | {"model": model})
             except RequestFailed as exc:
-                if server.client.cancelled.is_set() or leases.is_lost(server.label):
+                if leases.is_lost(server.label):
                     return  # the lease went back to the queue with the server
-                if exc.transient and (server.gone() or not server.client.answers()):
+                if why := down(server):
+                    results.put(("lost", server.label, why))
+                    return
+                if server.client.cancelled.is_set():
+                    return
+                if exc.transient and not server.client.answers():
                     results.put(("lost", server.label, f"{job}: {exc}"))
                     return
                 results.put(Failed(server.label, job, str(exc)))
@@ -262,8 +274,8 @@ def run(
                 tally.failed_by_server[item.server] += 1
                 on_failed(item)
             for s in servers:
-                if not leases.is_lost(s.label) and s.gone():
-                    lose(s.label, "the server exited or its worker was lost")
+                if not leases.is_lost(s.label) and (why := down(s)):
+                    lose(s.label, why)
             if not leases.alive and leases.unsettled:  # lost before this loop looked
                 raise AllLost(Lost("", "no server left", [], []), leases.unsettled)
     finally:

@@ -5,9 +5,9 @@ the project's own machinery (serving/server.py: watchdog, log file, CPU patches)
 cluster address, never 0.0.0.0, with the run's API key, and answers its URL once /health does.
 It stops the server when asked, and the server cannot outlive it: the watchdog ends the server
 when the worker's pipe closes, and Ray ends the worker when the driver (the stage) dies. The
-driver watches each server through its worker (`wait` returns when the server exits, fails
-when the worker or its node is lost), so a lost server is noticed without waiting for HTTP
-retries.
+driver watches each server through its worker (`wait` returns, with the cause, when the
+server's watch sees it stop serving, serving/server.py; it fails when the worker or its node is
+lost), so a lost server is noticed within seconds, without waiting for HTTP retries.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class ServerWorker:
             os.environ.pop("OMP_NUM_THREADS", None)
         os.environ.update(env)
         self.proc: subprocess.Popen | None = None
+        self.watch: vllm_server.Watch | None = None
 
     def start(self, spec: ServerSpec) -> str:
         """Start the server; its base URL once ready (ServerError with its log's tail if not)."""
@@ -50,34 +51,46 @@ class ServerWorker:
         except BaseException:
             self.stop()
             raise
+        self.watch = vllm_server.Watch(started)
         return url
 
-    def wait(self) -> int:
-        """Block until the server exits; its exit status."""
-        assert self.proc is not None
-        return self.proc.wait()
+    def wait(self) -> str:
+        """Block until the server stops serving (its watch, serving/server.py); why, in a line."""
+        assert self.proc is not None and self.watch is not None
+        while self.watch.reason is None and self.proc.poll() is None:
+            time.sleep(vllm_server.WATCH_INTERVAL_S)
+        code = self.proc.wait()
+        return self.watch.reason or self.watch.describe(vllm_server.exit_cause(code))
 
     def stop(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
         if self.proc is not None:
             vllm_server.stop(self.proc)
 
 
 @dataclass
 class NodeServer:
-    """A started server: its node, URL and a check that answers True once it is gone."""
+    """A started server: its node, URL and a check that answers why once it is gone."""
 
     node: engine.Node
     url: str
-    gone: Callable[[], bool]
+    gone: Callable[[], str | None]
 
 
-def watcher(ref) -> Callable[[], bool]:
-    """True once `ref` (a worker's `wait`) has returned or failed: the server is gone."""
+def watcher(ref) -> Callable[[], str | None]:
+    """Why the server stopped once `ref` (a worker's `wait`) has returned (its watch's words) or
+    failed (the worker or its node was lost); None while it serves."""
     import ray
 
-    def gone() -> bool:
+    def gone() -> str | None:
         ready, _ = ray.wait([ref], timeout=0)
-        return bool(ready)
+        if not ready:
+            return None
+        try:
+            return str(ray.get(ready[0]))
+        except ray.exceptions.RayError as exc:
+            return f"its worker or node was lost ({type(exc).__name__})"
 
     return gone
 

@@ -32,5 +32,9 @@ class ServerError(PipelineError):
     """A vLLM server did not start or did not answer."""
 
 
+class ServerDown(ServerError):
+    """A vLLM server this run started stopped serving in the middle of the work (its watch)."""
+
+
 class DiskError(PipelineError):
     """A write failed for a reason of the filesystem (full, quota, I/O error, read-only)."""

@@ -21,7 +21,7 @@ from typing import Any
 import requests
 
 from eagle3_pipeline.config.params import EvaluateParams, Params
-from eagle3_pipeline.core.errors import ServerError
+from eagle3_pipeline.core.errors import ServerDown, ServerError
 from eagle3_pipeline.evaluation import losslessness as lossless
 from eagle3_pipeline.serving.chat import (
     ChatClient,
@@ -31,7 +31,7 @@ from eagle3_pipeline.serving.chat import (
     complete_all,
     parse_reply,
 )
-from eagle3_pipeline.serving.server import metrics
+from eagle3_pipeline.serving.server import down_reason, metrics
 from eagle3_pipeline.serving.server_spec import SERVED_NAME
 
 SPEC_PREFIX = "vllm:spec_decode_"
@@ -146,6 +146,8 @@ def read_counters(url: str, k: int) -> dict[str, float]:
     try:
         values = metrics(url)
     except requests.RequestException as exc:
+        if why := down_reason(url):
+            raise ServerDown(why) from None
         raise ServerError(f"{url}/metrics: not readable: {exc}") from None
     out = spec_counters(values, k)
     out["generation_tokens"] = counter(values, "vllm:generation_tokens_total")
@@ -232,6 +234,8 @@ def complete(chat: ChatClient, payload: dict) -> Completion:
     try:
         reply = chat.chat(payload)
     except RequestFailed as exc:
+        if exc.down:
+            raise ServerDown(str(exc)) from None
         raise ServerError(f"{chat.base_url}: chat completion failed: {exc}") from None
     return completion(reply, chat.base_url)
 

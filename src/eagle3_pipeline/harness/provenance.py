@@ -32,6 +32,7 @@ import yaml
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import atomic, paths
 from eagle3_pipeline.core.errors import ParamsError
+from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.serving.served_with import served_in
 
 RECORD_DIR = paths.PROVENANCE
@@ -46,6 +47,11 @@ PACKAGES = (
     "dvclive",
     "safetensors",
 )
+# Stages also run by hand against another params file, as a pre-flight of a profile: their
+# committed record is the DVC run's (dvc.yaml's commands name params.yaml), so only a run of
+# params.yaml rewrites it.
+DVC_PARAMS = Path("params.yaml")
+PREFLIGHT_STAGES = ("check",)
 # Written by the pipeline during a repro: a change there does not make the checkout dirty.
 PIPELINE_WRITTEN = ("dvc.lock", "metrics/")
 MAX_LISTED_DIRTY = 20
@@ -187,19 +193,31 @@ def collect(stage: str, params: Params, *, params_path: str = "params.yaml") -> 
     }
 
 
+def records(stage: str, params_path: str | Path) -> bool:
+    """Whether this run writes the stage's record: always, but for a pre-flight stage run on a
+    params file other than the repo's params.yaml (it would rewrite the DVC run's record)."""
+    if stage not in PREFLIGHT_STAGES:
+        return True
+    return Path(params_path).resolve() == DVC_PARAMS.resolve()
+
+
 def record(
     stage: str,
     params: Params,
     *,
     params_path: str = "params.yaml",
     duration_s: float | None = None,
-) -> Path:
-    """Write metrics/provenance/<stage>.json for the run that just succeeded.
+) -> Path | None:
+    """Write metrics/provenance/<stage>.json for the run that just succeeded (None: not written,
+    see `records`, said in one log line).
 
     `duration_s`: the stage's wall time (the CLI measures it around `run`); the run report draws
     it. Records written before it existed lack the key.
     """
     path = RECORD_DIR / f"{stage}.json"
+    if not records(stage, params_path):
+        log(stage, f"{params_path} is not {DVC_PARAMS}: {path} left as the DVC run wrote it")
+        return None
     rec = collect(stage, params, params_path=params_path)
     if duration_s is not None:
         rec["duration_s"] = round(duration_s, 3)

@@ -3,28 +3,32 @@ params point to.
 
 The code closure keeps each stage's `deps` in dvc.yaml exact (scripts/dvc_deps.py writes them) and
 fingerprints resumable scratch work, so rows made by older code never survive a code fix. Path
-params (`verifier.tiny.corpus`, `train.init_from`) name files anywhere: each must lie under one of
-its stage's deps, or DVC would not rerun the stage when that file changes; scripts/dvc_deps.py
-adds such a path as a dep line marked `# param: <key>`, and the CLI refuses a stage whose params
-point outside its deps.
+params (`verifier.tiny.corpus`, `train.init_from`) name files anywhere, often machine-specific
+(`/models/...`), so they never go into dvc.yaml (tracked, the same for every teammate): DVC sees a
+path param's value, through the stage's params, and a path under one of the stage's deps. For any
+other path the CLI records a fingerprint when the stage runs (git-ignored, in
+data/.work/path_params.json), and scripts/dvc_deps.py (`make train`) refuses to start while the
+files at an unchanged path differ from what the stage last read, naming the stages to rerun.
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3_pipeline.core.errors import ParamsError
+from eagle3_pipeline.core import atomic
 
 if TYPE_CHECKING:
     from eagle3_pipeline.config.params import Params
 
 PKG = Path(__file__).resolve().parents[1]  # src/eagle3_pipeline
-PARAM_MARK = "# param: "
+PARAM_MARK = "# param: "  # marks a path param's dep line, which dvc.yaml never holds
+RECORDS = Path("data/.work/path_params.json")  # {stage: {key: {path, fingerprint}}}, git-ignored
 # Which stages read a file through which path param.
 PATH_PARAMS: dict[str, tuple[str, ...]] = {
     "verifier": ("verifier.tiny.corpus",),
@@ -126,16 +130,60 @@ def covered(path: str, deps: list[str], root: Path) -> bool:
     return False
 
 
-def check_path_params(stage: str, params: Params, root: Path = Path(".")) -> None:
-    """Refuse a stage whose params point at a file dvc.yaml does not list as its dependency."""
+def fingerprint(path: Path) -> str:
+    """sha256 of every file's name, size and mtime under `path`: cheap on a checkpoint of many
+    GB, and changed by any file replaced, edited, added or removed."""
+    if not path.exists():
+        return "missing"
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        name = f.name if f == path else str(f.relative_to(path))
+        h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def outside_deps(stage: str, params: Params, root: Path) -> dict[str, str]:
+    """The stage's path params that lie under none of its dvc.yaml deps."""
     dvc_yaml = root / "dvc.yaml"
-    if not dvc_yaml.is_file():
+    deps = stage_dep_paths(dvc_yaml.read_text(), stage) if dvc_yaml.is_file() else []
+    return {k: p for k, p in path_params(stage, params).items() if not covered(p, deps, root)}
+
+
+def _records(root: Path) -> dict[str, dict[str, dict[str, str]]]:
+    try:
+        return json.loads((root / RECORDS).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def check_path_params(stage: str, params: Params, root: Path = Path(".")) -> None:
+    """Record what the stage reads through path params outside its deps (the CLI calls this as
+    the stage starts), for changed_path_params to compare later."""
+    found = outside_deps(stage, params, root)
+    records = _records(root)
+    if not found and stage not in records:
         return
-    deps = stage_dep_paths(dvc_yaml.read_text(), stage)
-    for key, path in path_params(stage, params).items():
-        if not covered(path, deps, root):
-            raise ParamsError(
-                f"dvc.yaml: stage {stage} does not list {key} ({path}) as a dependency, so DVC "
-                "would not rerun it when that file changes: run `python scripts/dvc_deps.py` "
-                "(`make train` does)"
-            )
+    records[stage] = {
+        k: {"path": p, "fingerprint": fingerprint(root / p)} for k, p in found.items()
+    }
+    (root / RECORDS).parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(root / RECORDS, json.dumps(records, indent=1, sort_keys=True) + "\n")
+
+
+def changed_path_params(params: Params, root: Path = Path(".")) -> list[str]:
+    """One line per path param whose files changed, at the same path, since the stages that read
+    it last ran: DVC, which sees only the value, would not rerun them."""
+    records = _records(root)
+    stale: dict[tuple[str, str], list[str]] = {}
+    for stage in PATH_PARAMS:
+        for key, path in outside_deps(stage, params, root).items():
+            was = records.get(stage, {}).get(key)
+            if was and was["path"] == path and was["fingerprint"] != fingerprint(root / path):
+                stale.setdefault((key, path), []).append(stage)
+    return [
+        f"{key}: the files at {path} changed since {', '.join(stages)} last ran, and DVC sees "
+        f"only the path: run `dvc repro -f -s {' '.join(stages)}`, then `make train`"
+        for (key, path), stages in stale.items()
+    ]

@@ -89,7 +89,10 @@ def parse_samples(text: str) -> list[tuple[int, int | None]]:
         n = parse_count(count)
         if n < 1:
             raise ParamsError(f"--samples: {item!r}: at least one sample")
-        out.append((n, parse_count(tokens) if colon else None))
+        total = parse_count(tokens) if colon else None
+        if total is not None and total < n:
+            raise ParamsError(f"--samples: {item!r}: fewer tokens than samples (at least one each)")
+        out.append((n, total))
     return out
 
 

@@ -40,8 +40,9 @@ RATES = {
         5.0,
         790.0,
         400.0,
-        "2-core CPU, tiny-llama: extract 790 tokens/s per node and train 400 per process "
-        "(bench/results/online.json); decode 5 per request assumed (not measured)",
+        "2-core CPU, tiny-llama: extract 790 tokens/s per node and train 400 per process, "
+        "assumed (bench/bench_online.py measured them; its results are not committed); decode "
+        "5 per request assumed (not measured)",
     ),
 }
 
@@ -104,6 +105,53 @@ class ClusterPlan:
         }
 
 
+def inference_shares(
+    params: Params,
+    nodes: int,
+    samples: int,
+    tokens: int,
+    prompt_tokens: int,
+    disk_tokens: int | None,
+    bytes_per_token: int,
+    concurrency: int,
+) -> list[InferenceShare]:
+    """Each of `nodes` inference nodes' even share of generate and extract."""
+    r = rates_for(params)
+    node_disk = split(disk_tokens if disk_tokens is not None else tokens, nodes)
+    shares = []
+    for n, t, d in zip(split(samples, nodes), split(tokens, nodes), node_disk, strict=True):
+        new = max(0, t - n * prompt_tokens)
+        shares.append(
+            InferenceShare(
+                samples=n,
+                tokens=t,
+                new_tokens=new,
+                store_tokens=d,
+                store_bytes=d * bytes_per_token,
+                generate_s=new / (r.decode_per_request * concurrency),
+                extract_s=d / r.extract_per_node,
+            )
+        )
+    return shares
+
+
+def train_shares(params: Params, nodes: int, train_tokens: int) -> list[TrainShare]:
+    """Each of `nodes` training nodes' share of every epoch, train.nproc ranks each."""
+    nproc, rate = params.train.nproc, rates_for(params).train_per_rank
+    return [
+        TrainShare(nproc, t, i == 0, params.train.epochs * t / (nproc * rate))
+        for i, t in enumerate(split(train_tokens, nodes))
+    ]
+
+
+def concurrency_held(params: Params, max_concurrency: int | None) -> int:
+    """Requests in flight per generate server: generate.concurrency, at most what the KV holds."""
+    concurrency = params.generate.concurrency
+    if max_concurrency is not None:
+        concurrency = max(1, min(concurrency, max_concurrency))
+    return concurrency
+
+
 def cluster_plan(
     params: Params,
     samples: int | None,
@@ -123,41 +171,29 @@ def cluster_plan(
     c = params.cluster
     if c.engine != "ray":
         return None
-    r = rates_for(params)
-    concurrency = params.generate.concurrency
-    if max_concurrency is not None:
-        concurrency = max(1, min(concurrency, max_concurrency))
+    concurrency = concurrency_held(params, max_concurrency)
     inference: list[InferenceShare] = []
     if samples and tokens is not None:
-        node_samples = split(samples, c.nodes)
-        node_tokens = split(tokens, c.nodes)
-        node_disk = split(disk_tokens if disk_tokens is not None else tokens, c.nodes)
-        for n, t, d in zip(node_samples, node_tokens, node_disk, strict=True):
-            new = max(0, t - n * prompt_tokens)
-            inference.append(
-                InferenceShare(
-                    samples=n,
-                    tokens=t,
-                    new_tokens=new,
-                    store_tokens=d,
-                    store_bytes=d * bytes_per_token,
-                    generate_s=new / (r.decode_per_request * concurrency),
-                    extract_s=d / r.extract_per_node,
-                )
-            )
-    training: list[TrainShare] = []
-    if train_tokens is not None:
-        nproc = params.train.nproc
-        for i, t in enumerate(split(train_tokens, c.training_nodes)):
-            seconds = params.train.epochs * t / (nproc * r.train_per_rank)
-            training.append(TrainShare(nproc, t, i == 0, seconds))
+        inference = inference_shares(
+            params,
+            c.nodes,
+            samples,
+            tokens,
+            prompt_tokens,
+            disk_tokens,
+            bytes_per_token,
+            concurrency,
+        )
+    training = (
+        train_shares(params, c.training_nodes, train_tokens) if train_tokens is not None else []
+    )
     return ClusterPlan(
         address=c.address,
         worker_cpus=c.worker.num_cpus,
         worker_gpus=c.worker.num_gpus,
         max_attempts=c.max_attempts,
         concurrency=concurrency,
-        rates=r,
+        rates=rates_for(params),
         verifier_bytes=verifier_bytes,
         inference=inference,
         training=training,

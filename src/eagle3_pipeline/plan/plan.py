@@ -3,9 +3,12 @@
 `make_plan` meets every check in the order a run would (params_keys.py holds the params file
 against dvc.yaml, inputs.py reads, support.py checks the installed vLLM and the chat template,
 checks.py refuses or warns, drafter/shape.py counts, estimates.py sizes, modes.py costs the
-hidden states in both modes, nodes.py splits the work over a Ray cluster's nodes); report.py
-renders the result. A mismatch that would only surface days later (after generate and extract)
-stops here as one line.
+hidden states in both modes, nodes.py splits the work over a Ray cluster's nodes, totals.py
+sums GPUs, disk and hours); report.py renders the result. On this machine a path a stage reads
+that is not here is refused (support.missing_paths, the check stage's own line); a plan from
+config files (--verifier-config, --init-config, or profiles/configs/ standing in for a model
+folder not downloaded yet) is for the machine that will hold them and lists those paths. A
+mismatch that would only surface days later (after generate and extract) stops here as one line.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 
 from eagle3_pipeline.config.layer_ids import resolve_layer_ids, store_aux_layer_ids
 from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.core.errors import ParamsError
 from eagle3_pipeline.drafter import conventions as conv
 from eagle3_pipeline.drafter.shape import (
     DrafterShape,
@@ -32,6 +36,7 @@ from eagle3_pipeline.plan import (
     modes,
     nodes,
     params_keys,
+    totals,
 )
 from eagle3_pipeline.plan import support as vsupport
 from eagle3_pipeline.verifier import identity as vf
@@ -80,6 +85,10 @@ class Plan:
     support: vsupport.VerifierSupport | None = None
     params_keys: list[str] = field(default_factory=list)  # dvc.yaml's, all in the params file
     curve: curve_cost.CurvePlan | None = None  # the learning curve's predictions, costed
+    shipped: list[str] = field(default_factory=list)  # configs read from profiles/configs/
+    # A plan from config files: the paths the check stage will refuse until they are there.
+    not_here: list[str] = field(default_factory=list)
+    summary: totals.Totals | None = None  # GPUs, disk per node and in all, hours
 
     @property
     def checkpoints_kept(self) -> int:
@@ -122,18 +131,26 @@ def make_plan(
     (metrics/curve.json), its predictions and `target_tau` are costed too (curve_cost.py).
     """
     where = str(params_path)
+    check_counts(tokens, prompts, target_tau)
     keys = params_keys.check_params_file(params_path)
-    config, config_file = inputs.load_verifier_config(params, verifier_config)
+    # On this machine every path a stage reads must be here (the check stage's own refusal);
+    # a plan from config files is for the machine that will hold them: it lists what is not here.
+    missing = vsupport.missing_paths(params, where)
+    from_files = inputs.from_files(params, verifier_config, init_config)
+    if missing and not from_files:
+        raise missing[0]
+    config, config_file, verifier_note = inputs.load_verifier_config(params, verifier_config, where)
     v = inputs.verifier_shape(config, str(config_file or f"{where} (verifier.tiny)"))
     vf.check_remote_code(params, config, v.source)
     tokenizer = checks.check_tokenizer(params, config_file)
     # Before any estimate: a verifier this vLLM cannot capture, or a template that does not
     # render, makes every number below moot (and the prompt estimate renders the template).
-    support = vsupport.check_verifier(params, config, config_file, v.source)
+    required = not from_files and params.verifier.source != "tiny"  # as the check stage
+    support = vsupport.check_verifier(params, config, config_file, v.source, required)
     aux, _ = resolve_layer_ids(params.layers, v.num_layers, where=where)
     store_aux = store_aux_layer_ids(params.layers, v.num_layers, where=where)
     checks.check_vocab(params, v.vocab_size, where)
-    init = inputs.load_init_config(params, init_config)
+    init, init_note = inputs.load_init_config(params, init_config, where)
     if init is not None:
         drafter = drafter_from_init(*init)
         checks.check_init(drafter, v, params, aux)
@@ -169,7 +186,7 @@ def make_plan(
         max_concurrency=serving.max_concurrency if serving is not None else None,
         verifier_bytes=serving.weights.bytes if serving is not None else None,
     )
-    return Plan(
+    result = Plan(
         profile=params.profile,
         params_path=where,
         verifier=v,
@@ -208,7 +225,34 @@ def make_plan(
         support=support,
         params_keys=keys,
         curve=_curve(params, target_tau),
+        shipped=[n for n in (verifier_note, init_note) if n],
+        not_here=[str(e) for e in missing],
     )
+    dtype_bytes = bytes_per_token[params.extract.store_dtype]
+    result.summary = totals.totals(
+        params,
+        serving.weights if serving is not None else totals.verifier_weights(config, config_file),
+        own,
+        mode_cost.disk_tokens * dtype_bytes if mode_cost is not None else None,
+        (weights + optimizer) * result.checkpoints_kept,
+        prompt.tokens,
+        steps[0],
+        serving.max_concurrency if serving is not None else None,
+    )
+    return result
+
+
+def check_counts(tokens: int | None, prompts: int | None, target_tau: float | None) -> None:
+    """Numbers typed on the command line: a count below one or a tau of at most 1 (no draft
+    token accepted) would print negative or empty sizes instead of a plan."""
+    for flag, value in (("--tokens", tokens), ("--prompts", prompts)):
+        if value is not None and value < 1:
+            raise ParamsError(f"{flag} {value}: not a count: pass a positive whole number")
+    if target_tau is not None and not target_tau > 1:
+        raise ParamsError(
+            f"--target-tau {target_tau:g}: a mean acceptance length is above 1 (1: no draft "
+            "token accepted): pass e.g. --target-tau 2.5"
+        )
 
 
 def _curve(params: Params, target_tau: float | None) -> curve_cost.CurvePlan | None:

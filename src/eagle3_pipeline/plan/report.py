@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from eagle3_pipeline.core import paths
-from eagle3_pipeline.plan import memory, modes, nodes
+from eagle3_pipeline.plan import memory, modes, nodes, totals
 from eagle3_pipeline.plan.plan import Plan
 
 TRAIN_SCRATCH = paths.SCRATCH / "train"  # where the train stage keeps its epoch checkpoints
@@ -340,8 +340,19 @@ def _curve_lines(p: Plan) -> list[str]:
                 f"{c.check['predicted']:.3f} there, measured {c.check['measured']:.3f}",
             )
         )
-    rows = [["for", "tau", "train tokens", "samples", "store disk", "online disk", "prefill "
-             "store/online", "hours store", "hours online"]]
+    rows = [
+        [
+            "for",
+            "tau",
+            "train tokens",
+            "samples",
+            "store disk",
+            "online disk",
+            "prefill store/online",
+            "hours store",
+            "hours online",
+        ]
+    ]
     for r in c.rows:
         lo_hi = f" [{r.interval[0]:.2f}, {r.interval[1]:.2f}]" if r.interval else ""
         tau = f"{r.tau:.3f}{lo_hi}"
@@ -349,24 +360,105 @@ def _curve_lines(p: Plan) -> list[str]:
         online = p.disk_bytes(r.scale.online)[p.store_dtype]
         store_h = r.hours["generate"] + r.hours["extract"] + r.hours["train"]
         online_h = r.hours["generate"] + r.hours["train_online"]
-        rows.append([
-            r.label, tau, _m(r.train_tokens), f"{r.scale.samples:,}", _size(disk), _size(online),
-            f"{_m(r.scale.store.prefill_tokens)}/{_m(r.scale.online.prefill_tokens)}",
-            f"{store_h:.1f}", f"{online_h:.1f}",
-        ])
+        rows.append(
+            [
+                r.label,
+                tau,
+                _m(r.train_tokens),
+                f"{r.scale.samples:,}",
+                _size(disk),
+                _size(online),
+                f"{_m(r.scale.store.prefill_tokens)}/{_m(r.scale.online.prefill_tokens)}",
+                f"{store_h:.1f}",
+                f"{online_h:.1f}",
+            ]
+        )
     lines += _table(rows, left={0})
     lines += [_row("", line) for line in c.epochs]
     lines.append(
-        _row("", f"hours: generate + extract + train (online: generate + train with its prefill), "
-             f"at {c.rates.generate:,.0f} / {c.rates.extract:,.0f} / {c.rates.train:,.0f} tokens/s:"
-             f" {c.rates.source}")
+        _row(
+            "",
+            f"hours: generate + extract + train (online: generate + train with its prefill), "
+            f"at {c.rates.generate:,.0f} / {c.rates.extract:,.0f} / {c.rates.train:,.0f} tokens/s:"
+            f" {c.rates.source}",
+        )
     )
     return lines
 
 
+def _gpu_line(t: totals.Totals) -> str:
+    if not t.gpus_per_node:
+        return _row("gpus", "none: a CPU profile (no vllm.gpu_memory_gib, no GPU workers)")
+    node = "node" if t.nodes == 1 else "nodes"
+    memory = (
+        f"{t.gpu_gib:g} GiB each (vllm.gpu_memory_gib)"
+        if t.gpu_gib is not None
+        else "memory per GPU not set (vllm.gpu_memory_gib)"
+    )
+    count = f"{t.gpus_per_node} per node x {t.nodes} {node} = {t.gpus_per_node * t.nodes}"
+    return _row("gpus", f"{count}, {memory}")
+
+
+def _disk_lines(p: Plan, t: totals.Totals) -> list[str]:
+    """The verifier's weights on every node; the hidden states and checkpoints on data/."""
+    weights = _size(t.weights.bytes) if t.weights is not None else "unknown"
+    store = (
+        f"hidden states {_size(t.store_bytes)} ({p.store_dtype}, {p.hidden_states} mode)"
+        if t.store_bytes is not None
+        else "hidden states unknown (pass --prompts N)"
+    )
+    checkpoints = f"checkpoints {_size(t.checkpoint_bytes)} ({p.checkpoints_kept} kept)"
+    total = _size(t.total_bytes) if t.total_bytes is not None else "unknown"
+    if t.nodes == 1:
+        return [
+            _row(
+                "disk",
+                f"{total} per node and in all (1 node) = verifier weights {weights} + {store} "
+                f"+ {checkpoints}",
+            )
+        ]
+    shared = _size(t.shared_bytes) if t.shared_bytes is not None else "unknown"
+    return [
+        _row(
+            "disk",
+            f"per node {weights} (the verifier's weights at verifier.path); data/, shared by the "
+            f"{t.nodes} nodes: {shared} = {store} + {checkpoints}",
+        ),
+        _row("", f"in all: {t.nodes} x {weights} + {shared} = {total}"),
+    ]
+
+
+def _hours_lines(t: totals.Totals) -> list[str]:
+    if t.seconds is None:
+        return [_row("hours", "unknown: the sample count is unknown (pass --prompts N)")]
+    parts = " + ".join(f"{k} {nodes.duration(v)}" for k, v in t.seconds.items())
+    hours = sum(t.seconds.values()) / 3600
+    return [
+        _row(
+            "hours",
+            f"{parts} = ~{hours:,.1f} h, stages in turn (upper bound: every answer runs to "
+            "generate.max_new_tokens)",
+        ),
+        _row("rates", t.rates.source),
+    ]
+
+
+def _summary_lines(p: Plan) -> list[str]:
+    """GPUs, disk per node and in all, hours: what every plan answers."""
+    t = p.summary
+    if t is None:
+        return []
+    return [_gpu_line(t), *_disk_lines(p, t), *_hours_lines(t)]
+
+
 def render(p: Plan) -> str:
-    """The whole report: header, verifier, drafter, costs, then one line per warning."""
+    """The whole report: header, where configs came from, verifier, drafter, costs, what the run
+    needs in all, then one line per path not here and per warning."""
     head = [_row("plan", f"profile {p.profile} ({p.params_path}), from config files only")]
+    head += [_row("shipped", note) for note in p.shipped]
+    not_here = [_row("not here", line) for line in p.not_here]
+    if not_here:
+        not_here.append(_row("", "(planned from config files: the first stage, check, refuses it)"))
     warn = [_row("warning", w) for w in p.warnings]
     body = (
         _verifier_lines(p)
@@ -375,5 +467,6 @@ def render(p: Plan) -> str:
         + _memory_lines(p)
         + _cluster_lines(p)
         + _curve_lines(p)
+        + _summary_lines(p)
     )
-    return "\n".join(head + body + warn)
+    return "\n".join(head + body + not_here + warn)

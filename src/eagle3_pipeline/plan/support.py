@@ -11,6 +11,9 @@ since the check stage's DVC deps are its imports).
   aux_hidden_state_outputs was requested"), after generate ran in full.
 - Each drafter vLLM is to serve has its class in vLLM's registry.
 - The chat template renders a conversation with generate.chat_template_kwargs (template.py).
+- Every path a stage reads is here (missing_paths): the prompt set, a pretrained verifier's
+  config, weights and tokenizer, train.init_from's config and weights. Each is one line, worded
+  once here for both, so plan and check give the same fix for the same path.
 
 Each failure raises one line naming the class or file, what is missing and what to do
 (vllm_needs.py words the ways out); what cannot be checked here (vLLM not installed and no
@@ -27,7 +30,13 @@ from typing import Any
 
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import paths
-from eagle3_pipeline.core.errors import ParamsError, PipelineError, VerifierError
+from eagle3_pipeline.core.errors import (
+    CheckpointError,
+    DataError,
+    ParamsError,
+    PipelineError,
+    VerifierError,
+)
 from eagle3_pipeline.plan.template import TemplateSupport, check_chat_template, one_line
 from eagle3_pipeline.plan.vllm_classes import VllmRegistry
 from eagle3_pipeline.plan.vllm_needs import (
@@ -245,3 +254,100 @@ def check_verifier(
     vllm = check_vllm(params, config, where, directory, cache)
     template = check_chat_template(params, directory, required)
     return VerifierSupport(vllm, template, built_later=config_file is None)
+
+
+# --- Paths a stage reads, all on this machine before the first stage --------------------------
+# What vLLM and transformers load weights from; one of them is enough.
+WEIGHT_GLOBS = ("*.safetensors", "*.bin")
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+# What prepare reads (conversations/prompt_files.py SUFFIXES; not imported: the check stage's
+# DVC deps are its imports, and a test holds the two equal).
+PROMPT_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def not_found(path: str | Path, field: str, params_path: str | Path, fix: str) -> str:
+    """The one wording of a missing path, in `eagle3 plan` and the check stage alike."""
+    return f"{path}: not found ({field} in {params_path}): {fix}"
+
+
+def _prompts_missing(params: Params, where: str | Path) -> list[PipelineError]:
+    """prepare reads prepare.prompts unless every prompt is synthesized (share 1.0)."""
+    source = Path(params.prepare.prompts)
+    if params.prepare.synthesized_share == 1.0 or source.exists():
+        return []
+    fix = f"set it to a prompt file ({', '.join(PROMPT_SUFFIXES)}) or a folder of them"
+    return [DataError(not_found(source, "prepare.prompts", where, fix))]
+
+
+def _model_fix(folder: Path, what: str, field: str) -> str:
+    """How to get a model folder: the fetch command for a registry model, else a download."""
+    if folder.parent == paths.REAL_MODELS:
+        return f"run `eagle3 fetch-model {folder.name}`"
+    return f"download {what} there, or set {field} to the folder that holds it"
+
+
+def verifier_config_missing(params: Params, where: str | Path) -> VerifierError:
+    """verifier.path has no config.json: the one line plan and check refuse it with."""
+    folder = Path(params.verifier.path)
+    fix = _model_fix(folder, "the model (config.json, weights, tokenizer files)", "verifier.path")
+    return VerifierError(not_found(folder / "config.json", "verifier.path", where, fix))
+
+
+def init_config_missing(params: Params, where: str | Path, name: str) -> CheckpointError:
+    """train.init_from lacks `name` (config.json or its weights): the one line for it."""
+    path = Path(params.train.init_from or "")
+    folder = path.parent if path.suffix == ".json" and not path.is_dir() else path
+    fix = _model_fix(folder, "the drafter", "train.init_from") + " (null: from scratch)"
+    return CheckpointError(not_found(folder / name, "train.init_from", where, fix))
+
+
+def _has_weights(folder: Path) -> bool:
+    return any(any(folder.glob(g)) for g in WEIGHT_GLOBS)
+
+
+def _verifier_missing(params: Params, where: str | Path) -> list[PipelineError]:
+    """A pretrained verifier's config, weights and tokenizer (a tiny one is built by a stage)."""
+    if params.verifier.source == "tiny":
+        return []
+    folder, field = Path(params.verifier.path), "verifier.path"
+    if not (folder / "config.json").is_file():
+        return [verifier_config_missing(params, where)]
+    fix = _model_fix(folder, "the model (config.json, weights, tokenizer files)", field)
+    out: list[PipelineError] = []
+    if not _has_weights(folder):
+        out.append(VerifierError(not_found(folder / WEIGHT_GLOBS[0], field, where, fix)))
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        tok_fix = f"generate and tokenize load the tokenizer and its chat template from it: {fix}"
+        out.append(VerifierError(not_found(folder / TOKENIZER_FILES[0], field, where, tok_fix)))
+    return out
+
+
+def _init_missing(params: Params, where: str | Path) -> list[PipelineError]:
+    """train.init_from's config and weights: train loads both, after generate and extract."""
+    if params.train.init_from is None:
+        return []
+    path = Path(params.train.init_from)
+    folder = path.parent if path.suffix == ".json" and not path.is_dir() else path
+    if not (folder / "config.json").is_file():
+        return [init_config_missing(params, where, "config.json")]
+    if not _has_weights(folder):
+        return [init_config_missing(params, where, WEIGHT_GLOBS[0])]
+    return []
+
+
+def missing_paths(params: Params, where: str | Path) -> list[PipelineError]:
+    """Every path the run reads that is not here, in the order the stages meet them, each the
+    one line both `eagle3 plan` and the check stage refuse it with: otherwise prepare, generate
+    or train fails on it hours or days into the run."""
+    return [
+        *_prompts_missing(params, where),
+        *_verifier_missing(params, where),
+        *_init_missing(params, where),
+    ]
+
+
+def refuse_missing(params: Params, where: str | Path) -> None:
+    """Raise the first missing path (missing_paths), if any."""
+    missing = missing_paths(params, where)
+    if missing:
+        raise missing[0]

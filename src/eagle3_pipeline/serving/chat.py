@@ -4,7 +4,8 @@ openai retries what may pass (no answer, timeouts, 408, 409, 429, 5xx) with back
 server's `Retry-After`; any other 4xx is the request's own fault and fails at once. A request
 that still fails is one line of reason, never an exception that stops a run of thousands.
 Two httpx event hooks add the rest: each retry is logged and counted (openai numbers attempts in
-`x-stainless-retry-count`), and a cancelled client sends no further attempt.
+`x-stainless-retry-count`), and a cancelled client, or one whose server was declared down by its
+watch (serving/server.py), sends no further attempt: the failure then says why the server stopped.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from typing import TYPE_CHECKING, Any
 import openai
 from openai.types.chat import ChatCompletion
 
-from eagle3_pipeline.core.errors import ServerError
+from eagle3_pipeline.core.errors import ServerDown, ServerError
 from eagle3_pipeline.core.progress import log
+from eagle3_pipeline.serving.server import down_reason
 
 if TYPE_CHECKING:
     import httpx2  # openai's transport
 
 CONNECT_TIMEOUT_S = 10.0
+POLL_S = 0.5  # how often a caller waiting for replies asks whether the server is still up
 # The key sent to servers the user runs (generate.server_url(s)); servers the pipeline starts
 # get a fresh key per run instead.
 API_KEY_VAR = "EAGLE3_VLLM_API_KEY"
@@ -35,15 +38,21 @@ _log_lock = threading.Lock()  # one retry line at a time: print() writes text an
 
 class RequestFailed(Exception):
     """A request that failed for good: the reason kept in the sidecar. `transient`: it failed
-    the retried way every time (no answer, 429, 5xx), a hint that the server itself is gone."""
+    the retried way every time (no answer, 429, 5xx), a hint that the server itself is gone;
+    `down`: the server this process started was seen to stop (the reason says why)."""
 
-    def __init__(self, reason: str, transient: bool = False) -> None:
+    def __init__(self, reason: str, transient: bool = False, down: bool = False) -> None:
         super().__init__(reason)
         self.transient = transient
+        self.down = down
 
 
 class _Cancelled(openai.OpenAIError):
     """Raised before an attempt of a cancelled client; openai passes its own errors through."""
+
+
+class _Down(openai.OpenAIError):
+    """Raised before an attempt to a server its watch declared down (the reason)."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +150,8 @@ class ChatClient:
         )
 
     def _before_attempt(self, request: httpx2.Request) -> None:
+        if why := down_reason(self.base_url):
+            raise _Down(why)
         if self.cancelled.is_set() and request.method == "POST":  # not /v1/models: a check
             raise _Cancelled("cancelled")
         attempt = int(request.headers.get(RETRY_HEADER, "0"))
@@ -169,6 +180,8 @@ class ChatClient:
             return self._openai.post(path, body=body, cast_to=ChatCompletion)
         except _Cancelled:
             raise RequestFailed("cancelled") from None
+        except _Down as exc:
+            raise RequestFailed(str(exc), transient=True, down=True) from None
         except openai.APIStatusError as exc:
             retried = exc.status_code in (408, 409, 429) or exc.status_code >= 500
             reason = f"HTTP {exc.status_code}: {_server_message(exc)}"
@@ -186,8 +199,14 @@ class ChatClient:
         once = self._openai.with_options(max_retries=0, timeout=CONNECT_TIMEOUT_S)
         return [m.id for m in once.models.list()]
 
+    def down(self) -> str | None:
+        """Why the server stopped, where this process started it and saw it stop (its watch)."""
+        return down_reason(self.base_url)
+
     def answers(self) -> bool:
         """Whether the server still answers at all (GET /v1/models, any OpenAI server has it)."""
+        if self.down():
+            return False
         try:
             self._models()
         except openai.OpenAIError:
@@ -241,7 +260,8 @@ def complete_all(
 ) -> None:
     """Send every (id, body), `concurrency` in flight; `on_outcome` per job as each finishes.
     Workers are daemon threads and the client is cancelled on any exit (Ctrl-C included): an
-    interrupted run neither waits for requests in flight nor retries against a stopped server."""
+    interrupted run neither waits for requests in flight nor retries against a stopped server.
+    ServerDown, within a second, when the server's watch saw it stop (serving/server.py)."""
     todo: queue.Queue = queue.Queue()
     for job in jobs:
         todo.put(job)
@@ -249,10 +269,19 @@ def complete_all(
     for _ in range(min(concurrency, len(jobs))):
         threading.Thread(target=_worker, args=(client, todo, results), daemon=True).start()
     try:
-        for _ in range(len(jobs)):
-            item = results.get()
+        left = len(jobs)
+        while left:
+            try:
+                item = results.get(timeout=POLL_S)
+            except queue.Empty:
+                item = None
+            if why := client.down():  # its server stopped: no reply in flight is coming
+                raise ServerDown(why)
+            if item is None:
+                continue
             if isinstance(item, BaseException):
                 raise item
             on_outcome(item)
+            left -= 1
     finally:
         client.cancelled.set()

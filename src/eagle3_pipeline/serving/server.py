@@ -11,6 +11,12 @@ CPU patches before vLLM's own entry point runs (serving/server_entry.py: the chi
 `api_key`, every route but /health wants that key (auth.py); the key reaches the server through
 its environment only, never its command line or log.
 
+While it serves, a `Watch` asks once a second whether it still does: its watchdog and vLLM's
+processes alive, /health answering. A server that stopped (killed, out of memory, its engine
+dead, shutting down) is declared down within seconds, with the cause in one line; its remaining
+processes are stopped at once, so requests in flight end instead of waiting out their timeouts,
+and chat clients of its URL send nothing more (`down_reason`; serving/chat.py).
+
 Its port: vLLM binds port 0, so the kernel picks a free one at the bind itself, and
 `wait_ready` reads which from the server process's listening socket. A port chosen here and
 released for vLLM to bind seconds later (after its imports) could be taken by another process
@@ -27,8 +33,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -281,9 +288,146 @@ def launch(spec: ServerSpec) -> Launched:
     return Launched(proc, spec, port)
 
 
+WATCH_INTERVAL_S = 1.0
+# /health must fail this many polls in a row (refused, or an answer other than 200): a busy
+# server that is slow to answer is not a stopped one, so a timeout alone never counts.
+HEALTH_FAILURES = 3
+_down: dict[str, str] = {}  # base URL -> why that server stopped serving (set by its Watch)
+_down_lock = threading.Lock()
+
+
+def down_reason(url: str) -> str | None:
+    """Why the server this process started at `url` stopped serving; None while it serves (and
+    for servers it did not start)."""
+    with _down_lock:
+        return _down.get(url.rstrip("/"))
+
+
+def exit_cause(returncode: int) -> str:
+    """The watchdog's exit status in words: it exits with vLLM's code (128+N: vLLM killed by
+    signal N, as a shell says); a negative status means the watchdog itself was killed."""
+    if returncode < 0:
+        return f"its watchdog was killed by {_signal_name(-returncode)}"
+    if returncode > 128:
+        return f"vLLM was killed by {_signal_name(returncode - 128)}"
+    return f"vLLM exited with code {returncode}"
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+def _processes(started: Launched) -> dict[int, str]:
+    """vLLM's processes under the watchdog, by pid: the API server and its children (the engine
+    core; its own workers, where there are any, take the engine down with them)."""
+    try:
+        server = psutil.Process(started.proc.pid).children()
+    except psutil.NoSuchProcess:
+        return {}
+    found = {p.pid: "API server" for p in server}
+    for p in server:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for child in p.children():
+                name = child.name()
+                # vLLM names it VLLM::EngineCore (the kernel keeps 15 characters of that)
+                found[child.pid] = "engine process" if "EngineCor" in name else f"child {name}"
+    return found
+
+
+def _health_failure(url: str) -> str | None:
+    """Why GET /health failed for good (refused, or not 200); None if it answered 200 or only
+    took long."""
+    try:
+        status = requests.get(f"{url}/health", timeout=WATCH_INTERVAL_S * 2).status_code
+    except requests.ConnectionError:
+        return "it refuses connections (shutting down)"
+    except requests.RequestException:
+        return None
+    return None if status == 200 else f"/health answered HTTP {status}"
+
+
+class Watch:
+    """Watches one ready server in a daemon thread until it stops serving or `close()`.
+
+    Down when: the watchdog exited (vLLM exited, or was killed, or the watchdog was), one of
+    vLLM's processes known at start is gone (the API server, the engine), or /health failed
+    HEALTH_FAILURES polls in a row. Then `reason` holds the cause in one line (with the log's
+    last lines), `down_reason(url)` answers it, and the server's remaining processes are
+    stopped: requests in flight end now, not after their timeouts."""
+
+    def __init__(self, started: Launched, on_down: Callable[[str], None] | None = None) -> None:
+        self.started = started
+        self.url = started.url
+        self.reason: str | None = None
+        self._on_down = on_down
+        self._processes = _processes(started)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"watch {self.url}", daemon=True)
+        self._thread.start()
+
+    def cause(self, health_failures: list[str]) -> str | None:
+        """Why the server no longer serves, from one poll; None while it does. A process that
+        died first is named first: an engine killed makes vLLM exit with code 0 a moment later,
+        a killed watchdog makes vLLM and its engine exit."""
+        code = self.started.proc.poll()
+        if code is not None and (code < 0 or code > 128):
+            return exit_cause(code)
+        for pid, role in self._processes.items():
+            try:
+                alive = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                alive = False
+            if not alive and role != "API server":
+                then = f", then {exit_cause(code)}" if code is not None else ""
+                return f"its {role} (pid {pid}) died{then}"
+        if code is not None:
+            return exit_cause(code)
+        failure = _health_failure(self.url)
+        health_failures[:] = [*health_failures, failure] if failure else []
+        if len(health_failures) >= HEALTH_FAILURES:
+            return health_failures[-1]
+        return None
+
+    def _loop(self) -> None:
+        failures: list[str] = []
+        while not self._closed.wait(WATCH_INTERVAL_S):
+            cause = self.cause(failures)
+            if cause is None:
+                continue
+            reason = self.describe(cause)
+            with _down_lock:
+                if self._closed.is_set():  # being stopped on purpose: not a failure
+                    return
+                self.reason = _down[self.url] = reason
+            log("vllm", reason)
+            stop(self.started.proc, grace_s=2.0)
+            if self._on_down is not None and not self._closed.is_set():
+                self._on_down(reason)
+            return
+
+    def describe(self, cause: str) -> str:
+        """The one line that says this server stopped: its URL, the cause, its log's tail."""
+        log_file = self.started.spec.log_file
+        tail = _tail(log_file, 3) or "empty"
+        return f"vLLM server {self.url} stopped: {cause} (log {log_file}: {tail})"
+
+    def close(self) -> None:
+        """Stop watching (the server is being stopped on purpose)."""
+        with _down_lock:
+            self._closed.set()
+            _down.pop(self.url, None)
+
+
 @contextlib.contextmanager
-def serve_many(specs: list[ServerSpec]) -> Iterator[list[str]]:
+def serve_many(
+    specs: list[ServerSpec], on_down: Callable[[str], None] | None = None
+) -> Iterator[list[str]]:
     """Start every server at once, yield their base URLs once all are ready; always stop all.
+    Each is watched while it serves (`Watch`); `on_down(reason)` runs in the watch's thread
+    when one stops (e.g. to interrupt work that does not ask `down_reason`).
 
     Start-up is mostly single-threaded imports in three processes per server, so servers that
     start together on a machine with spare cores and memory are ready in about the time of one.
@@ -296,15 +440,19 @@ def serve_many(specs: list[ServerSpec]) -> Iterator[list[str]]:
     if previous in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, on_term)
     started: list[Launched] = []
+    watches: list[Watch] = []
     try:
         t0 = time.monotonic()
         for spec in specs:
             started.append(launch(spec))
         urls = [wait_ready(s) for s in started]
+        watches = [Watch(s, on_down) for s in started]
         s = "s" if len(specs) > 1 else ""
         log("vllm", f"server{s} ready in {time.monotonic() - t0:.0f} s on {', '.join(urls)}")
         yield urls
     finally:
+        for watch in watches:
+            watch.close()
         for server in started:
             stop(server.proc)
         if previous in (signal.SIG_DFL, None):
@@ -312,9 +460,9 @@ def serve_many(specs: list[ServerSpec]) -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
-def serve(spec: ServerSpec) -> Iterator[str]:
+def serve(spec: ServerSpec, on_down: Callable[[str], None] | None = None) -> Iterator[str]:
     """Yield the base URL (http://127.0.0.1:PORT) of a ready server; always stop it after."""
-    with serve_many([spec]) as urls:
+    with serve_many([spec], on_down) as urls:
         yield urls[0]
 
 

@@ -1,5 +1,6 @@
 """Stage `check`: before any work, the params file holds every key dvc.yaml reads, the
-installed vLLM can capture and serve beside the verifier's class, and its chat template renders.
+installed vLLM can capture and serve beside the verifier's class, and its chat template renders;
+every path a stage reads (prompts, the verifier's files, train.init_from) is here.
 
 The same checks as `eagle3 plan` (plan/params_keys.py, plan/support.py: this module imports
 nothing else of plan/, so editing the plan's estimates does not rerun it). It runs on every
@@ -32,6 +33,7 @@ def run(params: Params, params_path: str | Path = DEFAULT_PARAMS) -> None:
     t0 = time.monotonic()
     keys = params_keys.check_params_file(params_path)
     log(STAGE, f"{params_path}: all {len(keys)} params keys dvc.yaml reads are present")
+    support.refuse_missing(params, params_path)  # the plan's words: a path no stage finds
     v = params.verifier
     if v.source == "tiny":
         config, config_file = None, None

@@ -25,7 +25,7 @@ import torch
 from eagle3_pipeline.config import families
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import atomic, paths, readers
-from eagle3_pipeline.core.errors import DataError, ParamsError, StoreError
+from eagle3_pipeline.core.errors import DataError, ParamsError, ServerDown, StoreError
 from eagle3_pipeline.core.progress import Progress, log
 from eagle3_pipeline.drafter import load as drafter
 from eagle3_pipeline.drafter.conventions import run_conventions
@@ -45,6 +45,7 @@ VOCAB_DIR = paths.VOCAB
 METRICS = paths.EVAL_METRICS
 VAL_PROMPTS = paths.PREPARED / "val.jsonl"
 WORK_DIR = paths.SCRATCH / "evaluate"
+RERUN_HINT = "rerun `dvc repro` to evaluate again (the stages before evaluate are kept)"
 
 
 def run(params: Params) -> None:
@@ -303,17 +304,20 @@ def run_online(
     base = verifier_spec(params, work / "vllm.log")
     if e.vllm_extra_args is not None:
         base = dataclasses.replace(base, extra_args=list(e.vllm_extra_args))
-    section, differing, verdict = online_eval.evaluate(
-        base,
-        drafter_dir,
-        [r["messages"] for r in rows],
-        settings,
-        work,
-        prompt_ids=[r["id"] for r in rows],
-        start_together=e.start_servers_together,
-        family=family,
-        sweep=e.num_speculative_tokens_sweep,
-    )
+    try:
+        section, differing, verdict = online_eval.evaluate(
+            base,
+            drafter_dir,
+            [r["messages"] for r in rows],
+            settings,
+            work,
+            prompt_ids=[r["id"] for r in rows],
+            start_together=e.start_servers_together,
+            family=family,
+            sweep=e.num_speculative_tokens_sweep,
+        )
+    except ServerDown as exc:
+        raise ServerDown(f"{exc}; {RERUN_HINT}") from None
     if aux_layer_ids is not None:
         section["served_aux_layer_ids"] = served_with.check_aux_layers(
             work / f"vllm-{family}.log", aux_layer_ids, drafter_dir, STAGE

@@ -223,6 +223,8 @@ def _lost_error(params: Params, servers: list[leases.Server], lost: leases.AllLo
     hint = f"{_log_hint(params)}rerun to resume: finished rows are kept"
     if len(servers) == 1:
         url = servers[0].client.base_url
+        if servers[0].client.down():  # its watch's line names the server, cause and log
+            return ServerError(f"{lost.last.reason}; rerun to resume: finished rows are kept")
         return ServerError(f"the server at {url} stopped answering ({lost.last.reason}); {hint}")
     return ServerError(
         f"all {len(servers)} servers were lost with {lost.unsettled} prompts unanswered (last: "

@@ -85,9 +85,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def launch(
-    params: Params, inputs: TrainInputs, module: str, pools: Pools | None = None
-) -> None:
+def launch(params: Params, inputs: TrainInputs, module: str, pools: Pools | None = None) -> None:
     """One worker (`python -m MODULE --worker PARAMS_JSON`) per process under torchrun, from
     the params written to scratch."""
     spec = inputs.work / "params.json"

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import os
 import re
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.config.training_params import OnlineParams
-from eagle3_pipeline.core.errors import DataError, ServerError, VerifierError
+from eagle3_pipeline.core.errors import DataError, ServerDown, ServerError, VerifierError
 from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.serving import auth
 from eagle3_pipeline.serving.chat import API_KEY_VAR
@@ -91,7 +92,7 @@ def online_source(params: Params, layer_ids: list[int], work: Path) -> Iterator[
         return
     from eagle3_pipeline.serving.hidden_state_server import hidden_state_spec
     from eagle3_pipeline.serving.hidden_states import clear_dir
-    from eagle3_pipeline.serving.server import serve
+    from eagle3_pipeline.serving.server import down_reason, serve
 
     storage = work / "online-hidden-states"
     clear_dir(storage)
@@ -99,9 +100,19 @@ def online_source(params: Params, layer_ids: list[int], work: Path) -> Iterator[
     spec = hidden_state_spec(params, layer_ids, storage, log_file)
     spec.api_key = auth.run_key()
     log("train", f"starting vLLM with extract_hidden_states, layers {sorted(layer_ids)}")
-    with serve(spec) as url:
+    # Training waits on the server inside speculators' loader: a server that stops is answered
+    # by interrupting this process (torchrun's launcher forwards it to the workers), and the
+    # interruption is then reported as what it is.
+    with serve(spec, on_down=lambda _why: os.kill(os.getpid(), signal.SIGINT)) as url:
         name = f"the stage's vLLM server at {url} (log: {log_file})"
-        yield OnlineSource(f"{url}/v1", name, spec.api_key)
+        try:
+            yield OnlineSource(f"{url}/v1", name, spec.api_key)
+        except BaseException:
+            if why := down_reason(url):
+                raise ServerDown(
+                    f"{why}; rerun to resume from the last complete checkpoint"
+                ) from None
+            raise
 
 
 ENDPOINTS_VAR = "EAGLE3_ONLINE_ENDPOINTS"  # the inference pool's servers, comma-separated

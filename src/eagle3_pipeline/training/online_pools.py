@@ -173,7 +173,7 @@ class Pools:
     training: list[engine.Node]
     master: str | None  # the Mooncake master's host:port (backend mooncake)
     record: dict = field(default_factory=dict)  # provenance: who served, where the master ran
-    watchers: list[Callable[[], bool]] = field(default_factory=list)  # per server: gone?
+    watchers: list[Callable[[], str | None]] = field(default_factory=list)  # per server: why gone
     lost: set[int] = field(default_factory=set)  # servers (indexes) found gone
 
     @property

@@ -251,3 +251,22 @@ def test_real_stage_records_and_exp_run_is_distinguishable(tmp_path: Path) -> No
     assert (repo / "dvc.lock").read_text() != lock_before  # the exp did rerun prepare
     shown = _cli(repo, "provenance", "data/prepared/val.jsonl")
     assert shown.returncode == 0 and json.loads(shown.stdout) == rec
+
+
+@pytest.mark.parametrize(
+    ("stage", "params_path", "written"),
+    [
+        ("check", "params.yaml", True),
+        ("check", "./params.yaml", True),
+        ("check", "profiles/kimi-k2.5.yaml", False),
+        ("train", "params-kimi.yaml", True),  # a stage's outputs and their record go together
+    ],
+)
+def test_only_dvcs_params_file_rewrites_a_preflight_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str, params_path: str, written: bool
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert provenance.records(stage, params_path) is written
+    path = provenance.record(stage, Params(), params_path=params_path)
+    assert (path is not None) is written
+    assert (tmp_path / provenance.RECORD_DIR / f"{stage}.json").is_file() is written

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from plan_cases import REPO
+from plan_cases import REPO, char_tokenizer
 
 from eagle3_pipeline.cli import main
 from eagle3_pipeline.config.params import Params, load_params
@@ -36,29 +36,6 @@ LLAMA = {
 }
 
 
-def _tokenizer(folder: Path, template: str | None) -> Path:
-    """A character-level tokenizer with <think> tokens, saved as transformers 5 saves one (the
-    template as chat_template.jinja)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tokens = ["<unk>", "<s>", "</s>", "<think>", "</think>"] + [chr(c) for c in range(32, 127)]
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        additional_special_tokens=["<think>", "</think>"],
-    )
-    if template is not None:
-        fast.chat_template = template
-    folder.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(folder)
-    return folder
-
-
 def _params(folder: Path, **kwargs: object) -> Params:
     params = load_params(REPO / "profiles/tiny-llama.yaml").model_copy(deep=True)
     params.verifier.source, params.verifier.path = "pretrained", str(folder)
@@ -67,14 +44,14 @@ def _params(folder: Path, **kwargs: object) -> Params:
 
 
 def test_template_renders_with_the_kwargs(tmp_path: Path) -> None:
-    folder = _tokenizer(tmp_path / "v", STRICT)
+    folder = char_tokenizer(tmp_path / "v", STRICT)
     t = template.check_chat_template(_params(folder), folder, required=True)
     assert (t.source, t.rendered) == ("chat_template.jinja", True)
     assert t.record() == {"source": "chat_template.jinja", "rendered": True}
 
 
 def test_template_in_tokenizer_config_is_read_too(tmp_path: Path) -> None:
-    folder = _tokenizer(tmp_path / "v", None)
+    folder = char_tokenizer(tmp_path / "v", None)
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg | {"chat_template": TEMPLATE}))
     t = template.check_chat_template(_params(folder), folder, required=True)
@@ -82,7 +59,7 @@ def test_template_in_tokenizer_config_is_read_too(tmp_path: Path) -> None:
 
 
 def test_no_template_is_one_line(tmp_path: Path) -> None:
-    folder = _tokenizer(tmp_path / "v", None)
+    folder = char_tokenizer(tmp_path / "v", None)
     with pytest.raises(VerifierError, match="no chat template") as err:
         template.check_chat_template(_params(folder), folder, required=False)
     assert "\n" not in str(err.value) and "chat_template.jinja" in str(err.value)
@@ -91,7 +68,7 @@ def test_no_template_is_one_line(tmp_path: Path) -> None:
 def test_processor_template_file_alone_is_named(tmp_path: Path) -> None:
     """chat_template.json is a processor's file: AutoTokenizer, as the stages load the
     tokenizer, leaves chat_template unset."""
-    folder = _tokenizer(tmp_path / "v", None)
+    folder = char_tokenizer(tmp_path / "v", None)
     (folder / "chat_template.json").write_text(json.dumps({"chat_template": TEMPLATE}))
     with pytest.raises(VerifierError, match="in a processor's file") as err:
         template.check_chat_template(_params(folder), folder, required=False)
@@ -99,7 +76,7 @@ def test_processor_template_file_alone_is_named(tmp_path: Path) -> None:
 
 
 def test_template_failing_with_the_kwargs_names_them(tmp_path: Path) -> None:
-    folder = _tokenizer(tmp_path / "v", STRICT)
+    folder = char_tokenizer(tmp_path / "v", STRICT)
     with pytest.raises(VerifierError) as err:
         template.check_chat_template(_params(folder, thinking="yes"), folder, required=False)
     line = str(err.value)
@@ -108,7 +85,7 @@ def test_template_failing_with_the_kwargs_names_them(tmp_path: Path) -> None:
 
 
 def test_template_dropping_the_users_message_is_refused(tmp_path: Path) -> None:
-    folder = _tokenizer(tmp_path / "v", DROPS_CONTENT)
+    folder = char_tokenizer(tmp_path / "v", DROPS_CONTENT)
     with pytest.raises(VerifierError, match="drops the user's message"):
         template.check_chat_template(_params(folder), folder, required=False)
 
@@ -132,7 +109,7 @@ def test_plan_refuses_a_verifier_without_template(
 ) -> None:
     """Where it was a remark in the token line, it is now one error line and exit 2."""
     monkeypatch.setattr(support, "CACHE", tmp_path / "vllm_classes.json")
-    folder = _tokenizer(tmp_path / "v", None)
+    folder = char_tokenizer(tmp_path / "v", None)
     (folder / "config.json").write_text(json.dumps(LLAMA))
     argv = ["plan", "--params", str(REPO / "profiles/tiny-llama.yaml")]
     assert main([*argv, "--verifier-config", str(folder), "--tokens", "1000"]) == 2

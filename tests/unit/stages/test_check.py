@@ -27,6 +27,7 @@ def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     answer cache under data/.work)."""
     shutil.copy(REPO / "dvc.yaml", tmp_path / "dvc.yaml")
     shutil.copy(REPO / "profiles/tiny-llama.yaml", tmp_path / "params.yaml")
+    shutil.copytree(REPO / "tests/fixtures/prompts", tmp_path / "data/prompts")  # prepare.prompts
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -96,6 +97,8 @@ def test_pretrained_verifier_vllm_cannot_capture_is_refused(workspace: Path) -> 
         "vocab_size": 512,
     }
     (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"")  # present: vLLM's class is what fails
+    (folder / "tokenizer_config.json").write_text("{}")
     _edit(workspace / "params.yaml", "verifier", "source", "pretrained")
     _edit(workspace / "params.yaml", "verifier", "path", str(folder))
     with pytest.raises(VerifierError, match="Gemma2ForCausalLM does not implement SupportsEagle3"):
@@ -108,3 +111,21 @@ def test_cli_runs_the_stage(workspace: Path, capsys: pytest.CaptureFixture[str])
     out = capsys.readouterr().out
     assert "[check] vLLM " in out and "LlamaForCausalLM (model registry) implements" in out
     assert OUTPUT.is_file()
+
+
+def test_a_hand_run_on_another_params_file_leaves_the_committed_record(
+    workspace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """metrics/provenance/check.json is DVC's run of params.yaml: `eagle3 check --params
+    other.yaml` (a profile's pre-flight) must not rewrite it; params.yaml still does."""
+    record = workspace / paths.PROVENANCE / "check.json"
+    record.parent.mkdir(parents=True)
+    record.write_text('{"committed": true}\n')
+    shutil.copy(workspace / "params.yaml", workspace / "other.yaml")
+    assert main(["check", "--params", "other.yaml"]) == 0
+    assert record.read_text() == '{"committed": true}\n'
+    assert f"[check] other.yaml is not params.yaml: {paths.PROVENANCE}/check.json left" in (
+        capsys.readouterr().out
+    )
+    assert main(["check", "--params", "./params.yaml"]) == 0
+    assert json.loads(record.read_text())["stage"] == "check"

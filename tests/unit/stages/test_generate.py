@@ -4,11 +4,15 @@ backend vllm's failed-row sidecar and stop on a dead server (against a scripted 
 from __future__ import annotations
 
 import json
+import re
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import stand_in_server as stand_in
 from fake_openai import DROP, error, fake_servers, reply, sequence
 from fake_openai import row_id as _row_id
 from generate_workspace import output_rows, prepare_rows, vllm_params
@@ -274,3 +278,33 @@ def test_unreachable_server_url_is_a_one_lineerror(tmp_path: Path, monkeypatch) 
     url = f"http://127.0.0.1:{vllm_server.free_port()}"
     with pytest.raises(ServerError, match="no answer from the server.*generate.server_url"):
         generate.run(vllm_params(_fake_verifier(tmp_path), server_url=url))
+
+
+def test_a_server_the_stage_started_that_dies_ends_it_in_seconds_in_one_line(
+    tmp_path: Path, tiny_verifier_dir: Path, monkeypatch
+) -> None:
+    """The stage's own server killed with requests in flight: the stage ends within seconds
+    naming the server, the cause and its log, and says a rerun resumes (no retries waited)."""
+    stand_in.use_stand_in(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    prepare_rows(tmp_path, 4)
+    log_file = tmp_path / generate.SERVER_LOG
+    killer = threading.Thread(
+        target=lambda: (
+            stand_in.wait_asked(log_file),
+            stand_in.kill(stand_in.server_url(log_file), "api"),
+        ),
+        daemon=True,
+    )
+    killer.start()
+    t0 = time.monotonic()
+    with pytest.raises(ServerError) as raised:
+        generate.run(vllm_params(tiny_verifier_dir, concurrency=2))
+    assert time.monotonic() - t0 < 40  # the stand-in's start included
+    message = str(raised.value)
+    assert re.fullmatch(
+        r"vLLM server http://127\.0\.0\.1:\d+ stopped: vLLM was killed by SIGKILL "
+        rf"\(log {re.escape(str(generate.SERVER_LOG))}: .*\); rerun to resume: finished rows "
+        "are kept",
+        message,
+    ), message

@@ -137,7 +137,7 @@ def test_a_server_this_stage_starts_wants_the_run_s_own_key(
     specs = []
 
     @contextlib.contextmanager
-    def serve(spec):
+    def serve(spec, on_down=None):
         specs.append(spec)
         yield "http://127.0.0.1:8123"
 

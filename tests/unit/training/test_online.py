@@ -1,0 +1,36 @@
+"""training/online.py's server: one the stage started that stops while training waits on it
+interrupts the training at once and ends the stage in one line naming the server and the cause
+(against a stand-in with vLLM's process tree, tests/helpers/stand_in_server.py)."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+import stand_in_server as stand_in
+
+from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.core.errors import ServerDown
+from eagle3_pipeline.training import online
+
+
+def test_a_stopped_server_interrupts_training_and_says_why(
+    tmp_path: Path, tiny_verifier_dir: Path, monkeypatch
+) -> None:
+    stand_in.use_stand_in(monkeypatch)
+    params = Params.model_validate({"verifier": {"path": str(tiny_verifier_dir)}})
+    t0 = time.monotonic()
+    with (
+        pytest.raises(ServerDown) as raised,
+        online.online_source(params, [2, 4, 5, 8], tmp_path) as source,
+    ):
+        stand_in.kill(source.endpoint.removesuffix("/v1"), "engine")
+        time.sleep(60)  # training, waiting on the server: interrupted, not waited out
+    assert time.monotonic() - t0 < 40
+    assert re.fullmatch(
+        r"vLLM server http://127\.0\.0\.1:\d+ stopped: its engine process \(pid \d+\) died "
+        r"\(log .*vllm-online\.log: .*\); rerun to resume from the last complete checkpoint",
+        str(raised.value),
+    ), raised.value
