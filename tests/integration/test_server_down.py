@@ -77,7 +77,8 @@ def _roles(tag: str) -> dict[str, psutil.Process]:
             found["watchdog"] = proc
         elif "--run" in argv:
             found["api"] = proc
-            found.update(("engine", child) for child in proc.children())
+            engines = [c for c in proc.children() if "EngineCor" in c.name()]
+            found.update(("engine", child) for child in engines)
     return found
 
 

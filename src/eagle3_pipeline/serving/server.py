@@ -320,20 +320,20 @@ def _signal_name(n: int) -> str:
         return f"signal {n}"
 
 
-def _processes(started: Launched) -> dict[int, str]:
-    """vLLM's processes under the watchdog, by pid: the API server and its children (the engine
-    core; its own workers, where there are any, take the engine down with them)."""
+def _engines(started: Launched) -> list[int]:
+    """The pids of vLLM's engine core under the server (the watchdog's child, the API server,
+    forked it; its own workers, where there are any, take it down with them). Other children,
+    such as multiprocessing's resource tracker, come and go with the server: not watched. The
+    API server itself is the watchdog's only child: its end is the watchdog's."""
     try:
-        server = psutil.Process(started.proc.pid).children()
+        servers = psutil.Process(started.proc.pid).children()
     except psutil.NoSuchProcess:
-        return {}
-    found = {p.pid: "API server" for p in server}
-    for p in server:
+        return []
+    found = []
+    for p in servers:
         with contextlib.suppress(psutil.NoSuchProcess):
-            for child in p.children():
-                name = child.name()
-                # vLLM names it VLLM::EngineCore (the kernel keeps 15 characters of that)
-                found[child.pid] = "engine process" if "EngineCor" in name else f"child {name}"
+            # vLLM names it VLLM::EngineCore (the kernel keeps 15 characters of that)
+            found += [c.pid for c in p.children() if "EngineCor" in c.name()]
     return found
 
 
@@ -352,8 +352,8 @@ def _health_failure(url: str) -> str | None:
 class Watch:
     """Watches one ready server in a daemon thread until it stops serving or `close()`.
 
-    Down when: the watchdog exited (vLLM exited, or was killed, or the watchdog was), one of
-    vLLM's processes known at start is gone (the API server, the engine), or /health failed
+    Down when: the watchdog exited (vLLM exited, or was killed, or the watchdog was), vLLM's
+    engine process known at start is gone, or /health failed
     HEALTH_FAILURES polls in a row. Then `reason` holds the cause in one line (with the log's
     last lines), `down_reason(url)` answers it, and the server's remaining processes are
     stopped: requests in flight end now, not after their timeouts."""
@@ -363,7 +363,7 @@ class Watch:
         self.url = started.url
         self.reason: str | None = None
         self._on_down = on_down
-        self._processes = _processes(started)
+        self._engines = _engines(started)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"watch {self.url}", daemon=True)
         self._thread.start()
@@ -375,14 +375,14 @@ class Watch:
         code = self.started.proc.poll()
         if code is not None and (code < 0 or code > 128):
             return exit_cause(code)
-        for pid, role in self._processes.items():
+        for pid in self._engines:
             try:
                 alive = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
             except psutil.NoSuchProcess:
                 alive = False
-            if not alive and role != "API server":
+            if not alive:
                 then = f", then {exit_cause(code)}" if code is not None else ""
-                return f"its {role} (pid {pid}) died{then}"
+                return f"its engine process (pid {pid}) died{then}"
         if code is not None:
             return exit_cause(code)
         failure = _health_failure(self.url)

@@ -21,6 +21,7 @@ checked against the store before step one (training/online_checks.py).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import sys
@@ -85,9 +86,9 @@ def run(params: Params, outputs: Outputs | None = None, fraction: float | None =
     trim_live(inputs.live_dir, inputs.save_dir)
     with disk.guard(STAGE, inputs.save_dir):  # a checkpoint write that fails: OS reason, mount
         if t.hidden_states == "online":
-            _train_online(params, inputs)
+            _train_online(params, inputs, _worker_args(outputs, fraction))
         elif distributed(params):
-            launch(params, inputs, __name__)
+            launch(params, inputs, __name__, worker_args=_worker_args(outputs, fraction))
         else:
             _train(params, inputs)
     twin = None  # a branch is measured against its untrained twin (evaluate does train's)
@@ -96,7 +97,7 @@ def run(params: Params, outputs: Outputs | None = None, fraction: float | None =
     publish(outputs, inputs.live_dir, inputs.save_dir, t.epochs, t.family, twin)
 
 
-def _train_online(params: Params, inputs: TrainInputs) -> None:
+def _train_online(params: Params, inputs: TrainInputs, worker_args: list[str]) -> None:
     """Train with a vLLM server's hidden states, after checking it against the store."""
     t = params.train
     online.check_layer_order(inputs.aux, inputs.final)
@@ -108,7 +109,8 @@ def _train_online(params: Params, inputs: TrainInputs) -> None:
             flags = check_and_log(params, inputs, pools.source, len(pools.sources))
             for other in pools.sources[1:]:  # every server, not only the one params name
                 check_server(params, inputs, other, flags)
-            launch(served_by(params, pools.source, pools.master), inputs, __name__, pools)
+            served = served_by(params, pools.source, pools.master)
+            launch(served, inputs, __name__, pools, worker_args)
         return
     os.environ.update(mooncake_env(t.online))  # torchrun workers inherit it
     with online.online_source(params, layer_ids, inputs.work) as source:
@@ -116,7 +118,7 @@ def _train_online(params: Params, inputs: TrainInputs) -> None:
         flags = check_and_log(params, inputs, source)
         if distributed(params):
             # Workers read the server from params: the one started here, or the given one.
-            launch(served_by(params, source), inputs, __name__)
+            launch(served_by(params, source), inputs, __name__, worker_args=worker_args)
         else:
             _train(params, inputs, flags, source)
 
@@ -264,13 +266,31 @@ def _train_process(params: Params, inputs: TrainInputs, settings: TrainSettings)
         )
 
 
+def _worker_args(outputs: Outputs, fraction: float | None) -> list[str]:
+    """What a worker needs besides params to rebuild the driver's inputs (`_inputs`)."""
+    return ["--family-key", outputs.family_key] + (
+        ["--fraction", repr(fraction)] if fraction is not None else []
+    )
+
+
 def _worker_main(argv: list[str]) -> int:
-    """One torchrun worker: `python -m eagle3_pipeline.stages.train --worker PARAMS_JSON`."""
-    if len(argv) != 2 or argv[0] != "--worker":
-        print("usage: python -m eagle3_pipeline.stages.train --worker PARAMS_JSON", file=sys.stderr)
+    """One torchrun worker: `python -m eagle3_pipeline.stages.train --worker PARAMS_JSON
+    [--family-key KEY] [--fraction F]`: the driver's inputs, rebuilt from the same params and
+    fraction (the rows, the scratch folder the driver publishes from)."""
+    usage = (
+        "usage: python -m eagle3_pipeline.stages.train --worker PARAMS_JSON "
+        "[--family-key KEY] [--fraction F]"
+    )
+    parser = argparse.ArgumentParser(usage=usage, add_help=False)
+    parser.add_argument("--worker", required=True)
+    parser.add_argument("--family-key", default="train.family")
+    parser.add_argument("--fraction", type=float, default=None)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit:
         return 2
     die_with_agent()
-    params = Params.model_validate_json(Path(argv[1]).read_text())
+    params = Params.model_validate_json(Path(args.worker).read_text())
     if not sys.stdout.isatty():
         os.environ.setdefault("TQDM_DISABLE", "1")
     o = params.train.online
@@ -280,7 +300,7 @@ def _worker_main(argv: list[str]) -> int:
         flags = online.speculators_flags(o, endpoint)
         source = online.OnlineSource(endpoint, f"the vLLM server at {endpoint}")
     try:
-        _train(params, _inputs(params), flags, source)
+        _train(params, _inputs(params, args.family_key, args.fraction), flags, source)
     except KeyboardInterrupt:
         return 130
     return 0

@@ -85,12 +85,19 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def launch(params: Params, inputs: TrainInputs, module: str, pools: Pools | None = None) -> None:
-    """One worker (`python -m MODULE --worker PARAMS_JSON`) per process under torchrun, from
-    the params written to scratch."""
+def launch(
+    params: Params,
+    inputs: TrainInputs,
+    module: str,
+    pools: Pools | None = None,
+    worker_args: list[str] | None = None,
+) -> None:
+    """One worker (`python -m MODULE --worker PARAMS_JSON [WORKER_ARGS]`) per process under
+    torchrun, from the params written to scratch; `worker_args` say what else the driver's run
+    is (a learning-curve fraction), so that every worker trains the driver's rows."""
     spec = inputs.work / "params.json"
     atomic.write_text(spec, params.model_dump_json())
-    worker = ["--worker", str(spec.resolve())]
+    worker = ["--worker", str(spec.resolve()), *(worker_args or [])]
     if params.cluster.engine == "ray":
         _launch_on_cluster(params, inputs, module, worker, pools)
         return

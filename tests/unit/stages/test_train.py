@@ -1,0 +1,53 @@
+"""stages/train.py's torchrun workers rebuild the driver's inputs, a learning-curve fraction
+included: the same rows and the scratch folder the driver publishes from (a worker that trained
+every row elsewhere would leave the fraction's checkpoints empty)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from train_workspace import build_workspace
+
+from eagle3_pipeline.config.params import load_params
+from eagle3_pipeline.stages import train
+from eagle3_pipeline.training import launch as launch_module
+from eagle3_pipeline.training.publish import Outputs
+
+
+@pytest.fixture
+def workspace(tmp_path: Path, tiny_verifier_dir: Path, monkeypatch) -> Path:
+    build_workspace(tmp_path, tiny_verifier_dir, n_train=40, n_val=4)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_each_worker_trains_the_drivers_fraction(workspace: Path, monkeypatch) -> None:
+    params = load_params(workspace / "params.yaml").model_copy(deep=True)
+    params.train.nproc = 2
+    params.curve.fractions = [0.5]
+    driver = train._inputs(params, "train.family", 0.5)
+    commands: list[list[str]] = []
+    monkeypatch.setattr(launch_module, "launch_torchrun", commands.append)
+    launch_module.launch(
+        params, driver, train.__name__, worker_args=train._worker_args(Outputs(), 0.5)
+    )
+    argv = commands[0][commands[0].index(train.__name__) + 1 :]
+
+    seen: list = []
+    monkeypatch.setattr(train, "die_with_agent", lambda: None)
+    monkeypatch.setattr(train, "_train", lambda p, inputs, *a: seen.append(inputs))
+    assert train._worker_main(argv) == 0
+    worker = seen[0]
+    assert (worker.work, worker.n_train, worker.row_ids) == (
+        driver.work,
+        driver.n_train,
+        driver.row_ids,
+    )
+    every_row = train._inputs(params)
+    assert driver.n_train < every_row.n_train  # the fraction is a part: the test can tell
+
+
+def test_a_worker_with_a_bad_command_line_says_how_to_call_it(capsys) -> None:
+    assert train._worker_main(["--worker"]) == 2
+    assert "usage: python -m eagle3_pipeline.stages.train --worker" in capsys.readouterr().err
