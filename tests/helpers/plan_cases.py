@@ -28,6 +28,19 @@ AQ_MEDAI = REPO / "tests/fixtures/aq-medai-kimi-k25-eagle3/config.json"
 KIMI_ARGS = ["--verifier-config", str(KIMI), "--init-config", str(AQ_MEDAI)]
 
 
+# A small Llama verifier's config.json (no weights): what plan and check read of it.
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "num_hidden_layers": 8,
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 2048,
+}
+
+
 def char_tokenizer(folder: Path, template: str | None) -> Path:
     """A character-level tokenizer with <think> tokens, saved as transformers 5 saves one (the
     template, if any, as chat_template.jinja)."""

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import requests
 from generate_workspace import output_rows, prepare_rows, vllm_params
-from server_procs import TAG_VAR, tagged_pids, wait_none_tagged
+from server_procs import TAG_VAR, server_key, tagged_pids, wait_none_tagged
 
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import atomic, paths, resume
@@ -174,10 +174,11 @@ def _serving(tag: str) -> Callable[[], bool]:
 
 
 def _key(pid: int) -> str | None:
-    """The API key the server holds, if any (never on its command line)."""
-    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    keys = [v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"VLLM_API_KEY=")]
-    return keys[0] if keys else None
+    """The API key the server holds, if it has one (evaluate's servers have none)."""
+    try:
+        return server_key(pid)
+    except StopIteration:
+        return None
 
 
 @pytest.mark.vllm

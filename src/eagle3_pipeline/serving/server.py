@@ -364,11 +364,12 @@ class Watch:
         self.reason: str | None = None
         self._on_down = on_down
         self._engines = _engines(started)
+        self._health_failures = 0  # failed /health polls in a row
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"watch {self.url}", daemon=True)
         self._thread.start()
 
-    def cause(self, health_failures: list[str]) -> str | None:
+    def cause(self) -> str | None:
         """Why the server no longer serves, from one poll; None while it does. A process that
         died first is named first: an engine killed makes vLLM exit with code 0 a moment later,
         a killed watchdog makes vLLM and its engine exit."""
@@ -386,15 +387,12 @@ class Watch:
         if code is not None:
             return exit_cause(code)
         failure = _health_failure(self.url)
-        health_failures[:] = [*health_failures, failure] if failure else []
-        if len(health_failures) >= HEALTH_FAILURES:
-            return health_failures[-1]
-        return None
+        self._health_failures = self._health_failures + 1 if failure else 0
+        return failure if self._health_failures >= HEALTH_FAILURES else None
 
     def _loop(self) -> None:
-        failures: list[str] = []
         while not self._closed.wait(WATCH_INTERVAL_S):
-            cause = self.cause(failures)
+            cause = self.cause()
             if cause is None:
                 continue
             reason = self.describe(cause)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from plan_cases import REPO, char_tokenizer
+from plan_cases import LLAMA, REPO, char_tokenizer
 
 from eagle3_pipeline.cli import main
 from eagle3_pipeline.config.params import load_params
@@ -19,16 +19,6 @@ from eagle3_pipeline.conversations import prompt_files
 from eagle3_pipeline.plan import plan, report, support
 
 TEMPLATE = "{%- for m in messages -%}<{{ m.role }}>{{ m.content }}{%- endfor -%}<assistant>"
-LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "num_hidden_layers": 8,
-    "hidden_size": 128,
-    "intermediate_size": 384,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 2048,
-}
 
 
 @pytest.fixture

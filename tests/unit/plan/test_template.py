@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from plan_cases import REPO, char_tokenizer
+from plan_cases import LLAMA, REPO, char_tokenizer
 
 from eagle3_pipeline.cli import main
 from eagle3_pipeline.config.params import Params, load_params
@@ -24,16 +24,6 @@ STRICT = (
     "{{ raise_exception('thinking must be true or false') }}{%- endif -%}" + TEMPLATE
 )
 DROPS_CONTENT = "{%- for m in messages -%}<{{ m.role }}>{%- endfor -%}"
-LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "num_hidden_layers": 8,
-    "hidden_size": 128,
-    "intermediate_size": 384,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 2048,
-}
 
 
 def _params(folder: Path, **kwargs: object) -> Params:
