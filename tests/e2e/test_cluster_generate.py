@@ -24,7 +24,7 @@ from generate_workspace import prepare_rows
 from ray_cluster import NETNS, local_cluster
 from server_procs import server_key, server_pids
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.cluster]
 
 N_ROWS = 16
 GENERATE = {

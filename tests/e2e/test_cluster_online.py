@@ -41,7 +41,7 @@ from eagle3_pipeline.serving.server import answered
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.training import checkpoints as ck
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.cluster]
 READY = re.compile(r"cluster: vLLM on \S+ ready at (http://\S+)")
 
 

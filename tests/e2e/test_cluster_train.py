@@ -35,7 +35,7 @@ from train_workspace import build_workspace, checkpoints, stage_command, stage_e
 from eagle3_pipeline.cluster.local import STATE
 from eagle3_pipeline.training import checkpoints as ck
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 TRAIN = {"epochs": 2, "max_tokens_per_batch": 96}  # ~10 steps per epoch and rank
 LAST = 1  # the final epoch's directory
 # 1: a special token none of the family workspace's rows holds (DFlash's mask token).

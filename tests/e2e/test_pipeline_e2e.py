@@ -392,8 +392,9 @@ def test_the_verifier_wrote_a_fifth_of_the_prompts(pipeline: Path) -> None:
 
 
 def test_the_learning_curve_fits_nested_fractions(pipeline: Path) -> None:
-    """curve_train@0.25 and @0.5 trained on nested rows of the one store, measured on the same
-    val samples as the full run; the fit, its check and its predictions; the epochs."""
+    """curve_train@0.25 and @0.5 trained on nested rows of the one store (as their training
+    recorded them), measured on the same val samples as the full run; the fit, its check and its
+    predictions; the epochs."""
     curve = json.loads((pipeline / "metrics/curve.json").read_text())
     points = curve["points"]
     assert [p["fraction"] for p in points] == [0.25, 0.5, 1.0]
@@ -421,5 +422,15 @@ def test_the_learning_curve_fits_nested_fractions(pipeline: Path) -> None:
         f: {r["id"] for r in tokens if split.in_fraction(r["id"], f, 0.2)} for f in (0.25, 0.5)
     }
     assert inside[0.25] <= inside[0.5] and len(inside[0.5]) == fractions["0.5"]["train_samples"]
+    # ... and trained on: the rows each run's loaders held, as its training recorded them.
+    from eagle3_pipeline.training.data import ids_hash
+
+    every = {r["id"] for r in tokens}
+    for f, held in [*inside.items(), (1.0, every)]:
+        name = "metrics/train.json" if f == 1.0 else f"metrics/fractions/{f}/train.json"
+        trained = json.loads((pipeline / name).read_text())
+        assert trained["train_rows"] == len(held), (f, trained["train_rows"], len(held))
+        assert trained["train_ids_hash"] == ids_hash(sorted(held)), f
+    assert len(inside[0.5]) < len(every)
     assert (pipeline / "metrics/curve/tokens.json").is_file()
     assert (pipeline / "models/curve/0.25/best/model.safetensors").is_file()

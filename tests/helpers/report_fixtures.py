@@ -46,7 +46,12 @@ def eval_doc(scale: float = 1.0) -> dict[str, Any]:
         "speedup": 1.3 * scale,
         "tokens_per_s_baseline": 150.0,
     }
+    served = {
+        name: {"mean_acceptance_length": 1 + sum(min(1.0, a * scale) for a in per_pos)}
+        for name, per_pos in (("val", [0.7, 0.6, 0.5]), ("humaneval", [0.5, 0.3, 0.2]))
+    }
     return {
+        "served": {"num_speculative_tokens": 3, "sets": served},
         "num_speculative_tokens": 3,
         "offline": {
             "trained": result([0.8, 0.65, 0.55]),
@@ -93,8 +98,10 @@ def write_metrics(root: Path, scale: float = 1.0) -> None:
     assert live.is_dir()
     curve = root / "metrics/curve"  # the curve stage's series (stages/curve.py)
     curve.mkdir(parents=True, exist_ok=True)
-    points = [{"train_tokens": t, "tau": 1.5 + t / 4e5 * scale, "kind": "measured"} for t in
-              (5e4, 1e5, 2e5)] + [{"train_tokens": 4e5, "tau": 2.1 * scale, "kind": "predicted"}]
+    points = [
+        {"train_tokens": t, "tau": 1.5 + t / 4e5 * scale, "kind": "measured"}
+        for t in (5e4, 1e5, 2e5)
+    ] + [{"train_tokens": 4e5, "tau": 2.1 * scale, "kind": "predicted"}]
     (curve / "tokens.json").write_text(json.dumps(points))
     epochs = [{"epoch": e, "tau": 1.2 + 0.2 * e * scale} for e in (1, 2, 3)]
     (curve / "epochs.json").write_text(json.dumps(epochs))

@@ -218,6 +218,7 @@ def test_sigkill_mid_run_leaves_no_server_and_a_rerun_resumes_by_id(
             "finish_reason",
             "prompt_token_ids",
             "completion_token_ids",
+            "row_key",  # what a grown prompt set reuses the row by (stages/generate.py)
         }
         for r in rows
     )

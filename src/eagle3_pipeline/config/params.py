@@ -258,6 +258,14 @@ class EvaluateParams(Strict):
     vllm_extra_args: list[str] | None = None
     speedup_rounds: int = Field(5, ge=0)
     speedup_max_spread: float = Field(0.25, gt=0.0)
+    # The served headline (evaluation/served.py, prompt_sets.py): besides the val prompts, these
+    # public prompt sets that registry packages ship are served with and without the drafter,
+    # the first public_set_prompts of each that the training data does not hold, and measured
+    # like val (vLLM's per-answer counts, losslessness, paired speed-up at concurrency and each
+    # throughput_concurrency). Acceptance by answer position in windows of answer_window tokens.
+    public_sets: list[str] = Field(default_factory=list)
+    public_set_prompts: int = Field(24, ge=1)
+    answer_window: int = Field(64, ge=1)
 
     @model_validator(mode="after")
     def _positive_concurrency(self) -> EvaluateParams:

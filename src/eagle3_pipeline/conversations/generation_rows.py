@@ -44,8 +44,9 @@ def output_row(
     verifier emitted, the one that ended its turn included: what tokenize trains on, never the
     text re-tokenized (which can split differently, and loses what a reasoning parser strips).
     `prompt_token_ids`: the prompt as the server tokenized it (tokenize checks its own rendering
-    against it)."""
+    against it). `row_key`: the request's key (stages/generate.py), when it has one."""
     tools = {"tools": prepared["tools"]} if prepared.get("tools") else {}
+    key = {"row_key": prepared["row_key"]} if "row_key" in prepared else {}
     return {
         "id": prepared["id"],
         "split": prepared["split"],
@@ -56,6 +57,7 @@ def output_row(
         "finish_reason": finish_reason,
         "prompt_token_ids": prompt_ids,
         "completion_token_ids": completion_ids,
+        **key,
     }
 
 

@@ -55,8 +55,10 @@ def write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda p: p.write_text(text))
 
 
-def write_json(path: str | Path, obj: Any) -> Path:
-    return write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+def write_json(path: str | Path, obj: Any, sort_keys: bool = True) -> Path:
+    """`sort_keys` False: the order the writer chose (a metrics file that leads with its
+    headline)."""
+    return write_text(path, json.dumps(obj, indent=2, sort_keys=sort_keys) + "\n")
 
 
 def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> Path:
@@ -87,18 +89,20 @@ def replace_dir(path: str | Path) -> Iterator[Path]:
         raise
 
 
-def link_or_copy(src: Path, dst: Path) -> None:
-    """Put `src`'s bytes at `dst` (a new name): a hardlink, or across filesystems a copy.
+def link_or_copy(src: Path, dst: Path, link: bool = True) -> None:
+    """Put `src`'s bytes at `dst` (a new name): a hardlink, or across filesystems (or with
+    `link` false) a copy.
 
     A copy (scratch on local NVMe, outputs on shared storage) is fsynced before it counts; the
     caller publishes `dst`'s directory whole (replace_dir), so a torn copy is never visible.
     """
-    try:
-        os.link(src, dst)
-        return
-    except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
-            raise
+    if link:
+        try:
+            os.link(src, dst)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
     shutil.copyfile(src, dst)
     with open(dst, "rb+") as fh:
         os.fsync(fh.fileno())

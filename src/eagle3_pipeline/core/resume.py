@@ -1,9 +1,12 @@
-"""Resume state of long stages: a scratch folder per stage and an append-only journal.
+"""Resume state of long stages: a scratch folder per stage, an append-only journal, row keys.
 
 Scratch folders (data/.work/<stage>/) are NOT DVC outputs (`persist: true` would make
 DVC copy the whole output before each rerun); finished work moves into the output by rename.
-A scratch folder remembers the fingerprint of the inputs it was made from and is wiped when they
-change, so a resumed run never mixes rows made under other params.
+A scratch folder remembers the fingerprint it was made for and is wiped when it changes, so a
+resumed run never mixes rows made under other params. Stages whose data grows by rows
+(synthesize, generate, tokenize, extract) key their scratch folder on their settings only, not
+on their input files, and key each row by its own inputs as well (`row_key`): rows added to the
+inputs leave the journal of the others usable.
 
 Each batch of finished rows is appended and fsynced; a kill can only lose the batch in flight.
 A torn last line (killed mid-write) is ignored on reading and cut off before the next append.
@@ -65,6 +68,13 @@ def fingerprint(*parts: Any) -> str:
     """Hash of JSON-serialisable inputs (params sections, input file hashes)."""
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()
+
+
+def row_key(settings: str, content: Any) -> str:
+    """The key of one row: its own inputs (`content`, JSON-serialisable) under the stage's
+    settings key (the params, verifier and row-code version that decide every row's output).
+    Equal keys, equal rows: a stage reuses a row made before whose key it finds."""
+    return fingerprint(settings, content)
 
 
 def scratch_dir(stage: str, key: str) -> Path:

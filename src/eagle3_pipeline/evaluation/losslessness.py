@@ -160,3 +160,11 @@ def judge(
     sure = [d for d in found if d is not None and not d.near_tie]
     outcome: Outcome = DIVERGED if sure else NEAR_TIES if near else IDENTICAL
     return Verdict(outcome, len(prompts), near, sure, near_tie_nats, top_logprobs)
+
+
+def combine(a: Verdict, b: Verdict) -> Verdict:
+    """One verdict over the prompts of both (e.g. the val prompts and a public set's)."""
+    near, sure = [*a.near_ties, *b.near_ties], [*a.diverged, *b.diverged]
+    outcome: Outcome = DIVERGED if sure else NEAR_TIES if near else IDENTICAL
+    n = a.num_prompts + b.num_prompts
+    return Verdict(outcome, n, near, sure, a.near_tie_nats, a.top_logprobs)

@@ -23,6 +23,7 @@ import requests
 from eagle3_pipeline.config.params import EvaluateParams, Params
 from eagle3_pipeline.core.errors import ServerDown, ServerError
 from eagle3_pipeline.evaluation import losslessness as lossless
+from eagle3_pipeline.evaluation import served
 from eagle3_pipeline.serving.chat import (
     ChatClient,
     ChatReply,
@@ -93,6 +94,26 @@ class RunResult:
     wall_s: float
     counters: dict[str, float]
     logprobs: list[list[lossless.TokenLogprobs] | None] = field(default_factory=list)
+    # vLLM's (accepted, drafted) per verify step of each answer (evaluation/served.py); None
+    # where the server sent none
+    steps: list[tuple[list[int], list[int]] | None] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+
+    def answers(self, categories: Sequence[str] | None = None) -> list[served.Answer]:
+        """The answers with vLLM's step counts (served.Answer), in prompt order; a ServerError
+        when one has none (the server was not started with served.SPEC_METRICS_ARGS)."""
+        out = []
+        for i, (ids, steps) in enumerate(zip(self.token_ids, self.steps, strict=True)):
+            if steps is None:
+                raise ServerError(
+                    f"answer {i}: vLLM sent no per-step spec-decode counts (metrics."
+                    "speculative_decoding.per_step_accepted): start it with "
+                    + " ".join(served.SPEC_METRICS_ARGS)
+                )
+            category = categories[i] if categories is not None else ""
+            cut = self.finish_reasons[i] == "length"
+            out.append(served.Answer(ids, steps[0], steps[1], cut, category))
+        return out
 
     @property
     def output_tokens(self) -> int:
@@ -200,19 +221,33 @@ class ScoredReply(ChatReply):
     """A chat reply with its generated tokens' logprobs (None: the server sent none)."""
 
     logprobs: list[lossless.TokenLogprobs] | None = None
+    steps: tuple[list[int], list[int]] | None = None
 
 
 class ScoringClient(ChatClient):
-    """The chat client, keeping the logprobs that `parse_reply` leaves out."""
+    """The chat client, keeping the logprobs and vLLM's per-step spec-decode counts that
+    `parse_reply` leaves out."""
 
     def chat(self, body: dict[str, Any]) -> ScoredReply:
         response = self.post("/chat/completions", body)
         reply = parse_reply(response)
         lp = lossless.parse_logprobs(response.choices[0].to_dict())
-        return ScoredReply(**{f.name: getattr(reply, f.name) for f in fields(reply)}, logprobs=lp)
+        steps = served.step_counts(getattr(response, "metrics", None))
+        return ScoredReply(
+            **{f.name: getattr(reply, f.name) for f in fields(reply)}, logprobs=lp, steps=steps
+        )
 
 
-Completion = tuple[list[int], str, int, list[lossless.TokenLogprobs] | None]
+@dataclass(frozen=True)
+class Completion:
+    """One answer as the runs compare it."""
+
+    token_ids: list[int]
+    text: str
+    num_tokens: int
+    logprobs: list[lossless.TokenLogprobs] | None
+    steps: tuple[list[int], list[int]] | None
+    finish_reason: str
 
 
 def client(url: str, settings: Settings) -> ChatClient:
@@ -220,13 +255,20 @@ def client(url: str, settings: Settings) -> ChatClient:
 
 
 def completion(reply: ChatReply, url: str) -> Completion:
-    """(token ids, text, token count, logprobs); the text is reasoning + content (the server is
-    started without a reasoning parser, so reasoning is normally None)."""
+    """The answer; its text is reasoning + content (the server is started without a reasoning
+    parser, so reasoning is normally None)."""
     if reply.completion_tokens is None:
         raise ServerError(f"{url}: a chat completion without usage.completion_tokens")
     text = (reply.reasoning or "") + reply.content
-    logprobs = reply.logprobs if isinstance(reply, ScoredReply) else None
-    return list(reply.token_ids or []), text, reply.completion_tokens, logprobs
+    scored = isinstance(reply, ScoredReply)
+    return Completion(
+        list(reply.token_ids or []),
+        text,
+        reply.completion_tokens,
+        reply.logprobs if scored else None,
+        reply.steps if scored else None,
+        reply.finish_reason,
+    )
 
 
 def complete(chat: ChatClient, payload: dict) -> Completion:
@@ -268,5 +310,13 @@ def measure(url: str, conversations: Sequence[Messages], settings: Settings) -> 
     results, wall = run_prompts(url, conversations, settings)
     after = settled_counters(url, k)
     counters = delta(before, after) | {"spec_decode_enabled": after["spec_decode_enabled"]}
-    ids, texts, counts, logprobs = (list(x) for x in zip(*results, strict=True))
-    return RunResult(ids, texts, counts, wall, counters, logprobs)
+    return RunResult(
+        [c.token_ids for c in results],
+        [c.text for c in results],
+        [c.num_tokens for c in results],
+        wall,
+        counters,
+        [c.logprobs for c in results],
+        [c.steps for c in results],
+        [c.finish_reason for c in results],
+    )

@@ -22,7 +22,7 @@ from typing import Any
 
 from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.evaluation import draft_sweep, speedup
+from eagle3_pipeline.evaluation import draft_sweep, served, speedup
 from eagle3_pipeline.evaluation import losslessness as lossless
 from eagle3_pipeline.evaluation.acceptance import served_acceptance
 from eagle3_pipeline.evaluation.measure import SPEC_PREFIX, Messages, RunResult, Settings, measure
@@ -172,12 +172,14 @@ def speculative_config(drafter: str | Path, k: int, family: str = "eagle3") -> d
 def server_specs(
     base: ServerSpec, drafter: str | Path, k: int, log_dir: Path, family: str = "eagle3"
 ) -> tuple[ServerSpec, ServerSpec]:
-    """(baseline, speculative) variants of one server spec; only the drafter differs."""
+    """(baseline, speculative) variants of one server spec; only the drafter differs, and the
+    drafter's server returns vLLM's spec-decode counts with each answer (served.py)."""
     baseline = replace(base, speculative_config=None, log_file=log_dir / "vllm-baseline.log")
     spec = replace(
         base,
         speculative_config=speculative_config(drafter, k, family),
         log_file=log_dir / f"vllm-{family}.log",
+        extra_args=[*base.extra_args, *served.SPEC_METRICS_ARGS],
     )
     return baseline, spec
 
@@ -257,6 +259,125 @@ def online_section(
     return section
 
 
+@dataclass(frozen=True)
+class HeldOutSet:
+    """A public prompt set served like the val prompts (evaluation/prompt_sets.py);
+    `later_turns[i]`: prompt i's next user turns (multi-turn sets), each asked after the
+    answer before it."""
+
+    name: str
+    source: str
+    ids: list[str]
+    conversations: list[Messages]
+    categories: list[str]
+    # ids left out: a copy or near duplicate of a training prompt, or of one kept before
+    left_out: list[str] = field(default_factory=list)
+    later_turns: list[list[str]] = field(default_factory=list)
+
+
+def served_detail(
+    run: RunResult, k: int, window: int, categories: Sequence[str] | None
+) -> dict[str, Any]:
+    """served.section of the drafter's full pass, and whether vLLM's per-answer counts add up
+    to its Prometheus counters over the same pass (`counts_match_counters`)."""
+    detail = served.section(run.answers(categories), k, window)
+    detail["counts_match_counters"] = _counts_match(run)
+    return detail
+
+
+def _counts_match(run: RunResult) -> bool:
+    got = served.acceptance(run.answers(), 1)
+    return got["num_drafts"] == int(run.counters.get("num_drafts", -1)) and got[
+        "num_accepted_tokens"
+    ] == int(run.counters.get("num_accepted_tokens", -1))
+
+
+def _next_turn(
+    conversations: list[Messages], answers: list[str], later: list[list[str]]
+) -> tuple[list[int], list[Messages]]:
+    """(indices, conversations) of the prompts with a next user turn (`later[i][0]`), each
+    asked after the answer given to the turn before."""
+    picked = [i for i, turns in enumerate(later) if turns]
+    return picked, [
+        [
+            *conversations[i],
+            {"role": "assistant", "content": answers[i]},
+            {"role": "user", "content": later[i][0]},
+        ]
+        for i in picked
+    ]
+
+
+def serve_set(
+    run: Runner,
+    specs: tuple[ServerSpec, ServerSpec],
+    held: HeldOutSet,
+    settings: Settings,
+    concurrencies: Sequence[int],
+    window: int,
+) -> tuple[dict[str, Any], lossless.Verdict]:
+    """A public set on both servers: a full pass each per turn (served figures, losslessness),
+    then paired rounds at each of `concurrencies` on its last turn's conversations; (its
+    section of eval.json's `served`, verdict).
+
+    A multi-turn set's next turn follows the baseline's answer on both servers (the same
+    request to each, so their outputs still compare); its answers count with the first
+    turn's, and `by_turn` sets them apart."""
+    baseline_spec, eagle_spec = specs
+    k = settings.num_speculative_tokens
+    conversations, ids, categories = list(held.conversations), list(held.ids), held.categories
+    later = held.later_turns or [[] for _ in ids]
+    answers: list[served.Answer] = []
+    by_turn: list[dict[str, Any]] = []
+    judged: lossless.Verdict | None = None
+    counted = True
+    turn = 0
+    while conversations:
+        baseline = run(baseline_spec, conversations, settings)
+        spec = run(eagle_spec, conversations, settings)
+        names = [i if turn == 0 else f"{i}#turn{turn + 1}" for i in ids]
+        got = verdict(names, baseline, spec, settings)
+        judged = got if judged is None else lossless.combine(judged, got)
+        turn_answers = spec.answers(categories)
+        answers += turn_answers
+        counted = counted and _counts_match(spec)
+        by_turn.append({"turn": turn + 1, **served.acceptance(turn_answers, k)})
+        last = conversations
+        turn += 1
+        picked, conversations = _next_turn(conversations, baseline.texts, later)
+        ids = [ids[i] for i in picked]
+        categories = [categories[i] for i in picked]
+        later = [later[i][1:] for i in picked]
+    if judged is None:
+        raise ValueError(f"public set {held.name}: no prompt to serve")
+    timed = {
+        c: paired_rounds(run, baseline_spec, eagle_spec, last, settings, c)
+        for c in dict.fromkeys(concurrencies)
+    }
+    section = {
+        "source": held.source,
+        "num_prompts": len(held.ids),
+        "left_out_as_duplicates": held.left_out,
+        "max_new_tokens": settings.max_new_tokens,
+        **served.section(answers, k, window),
+        "counts_match_counters": counted,
+        **({"by_turn": by_turn} if len(by_turn) > 1 else {}),
+        "lossless": judged.outcome,
+        "num_identical": judged.section()["num_identical"],
+        "speedup_by_concurrency": {
+            str(c): paired.section(settings.speedup_max_spread) for c, paired in timed.items()
+        },
+    }
+    log(
+        "evaluate",
+        f"served on {held.name} ({len(held.ids)} prompts, {len(answers)} answers): mean "
+        f"acceptance length {section['mean_acceptance_length']:.3f}, "
+        f"{section['looping']['count']} looping, {section['cut']['count']} cut at "
+        f"{settings.max_new_tokens} tokens, lossless: {judged.outcome}",
+    )
+    return section, judged
+
+
 def evaluate(
     base: ServerSpec,
     drafter: str | Path,
@@ -268,6 +389,8 @@ def evaluate(
     start_together: bool = False,
     family: str = "eagle3",
     sweep: Sequence[int] = (),
+    held_out: Sequence[HeldOutSet] = (),
+    answer_window: int = 64,
 ) -> tuple[dict[str, Any], list[int], lossless.Verdict]:
     """Serve with and without the drafter; (online section, indices of differing outputs,
     losslessness verdict naming prompts by `prompt_ids`, default their indices).
@@ -285,7 +408,9 @@ def evaluate(
     started for several evaluations); None: `servers_up` starts them. `sweep`: further draft
     counts, each served beside the two (one server start each, three up meanwhile), given a
     full pass and paired rounds against the baseline at `settings.concurrency`
-    (evaluation.draft_sweep).
+    (evaluation.draft_sweep). `held_out`: public prompt sets, each served as `serve_set` serves
+    it on the same two servers (section `held_out`, keyed by name; their verdicts fold into the
+    one returned); `answer_window`: served.by_answer_position's window.
     """
     if not conversations:
         raise ValueError("online evaluation needs at least one prompt")
@@ -321,12 +446,29 @@ def evaluate(
                     run_n, baseline_spec, at_n, conversations, at_settings, settings.concurrency
                 )
             runs[n] = (drafted, paired)
+        concurrencies = [
+            settings.concurrency,
+            *(settings.throughput_concurrency if paired_up else ()),
+        ]
+        public = {
+            held.name: serve_set(
+                run, (baseline_spec, eagle_spec), held, settings, concurrencies, answer_window
+            )
+            for held in held_out
+        }
     names = list(prompt_ids) if prompt_ids is not None else [str(i) for i in range(len(spec.texts))]
     spread = settings.speedup_max_spread
     section = online_section(baseline, spec, k, timed, settings.concurrency, spread)
+    if spec.steps and all(s is not None for s in spec.steps):
+        section["served"] = served_detail(spec, k, answer_window, None)
+    if public:
+        section["held_out"] = {name: got for name, (got, _) in public.items()}
     swept = {n: (drafted, paired.section(spread)) for n, (drafted, paired) in runs.items()}
+    judged = verdict(names, baseline, spec, settings)
+    for _, set_verdict in public.values():
+        judged = lossless.combine(judged, set_verdict)
     return (
         section | draft_sweep.section(baseline, swept),
         mismatched_prompts(baseline, spec),
-        verdict(names, baseline, spec, settings),
+        judged,
     )

@@ -138,7 +138,7 @@ def require_lossless(verdict: Verdict, logs: Path) -> None:
     first = verdict.diverged[0]
     raise ServerError(
         f"greedy outputs with the drafter diverge from those without it where the baseline "
-        f"was sure, on {len(verdict.diverged)} of {verdict.num_prompts} val prompts (first: "
+        f"was sure, on {len(verdict.diverged)} of {verdict.num_prompts} prompts served (first: "
         f"{first.describe()}; only near ties up to evaluate.near_tie_nats="
         f"{verdict.near_tie_nats} pass): speculative decoding is not lossless here; logs "
         f"in {logs}"

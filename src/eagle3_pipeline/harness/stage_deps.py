@@ -1,8 +1,8 @@
 """What a DVC stage depends on besides data: the package modules it imports and the files its
 params point to.
 
-The code closure keeps each stage's `deps` in dvc.yaml exact (scripts/dvc_deps.py writes them) and
-fingerprints resumable scratch work, so rows made by older code never survive a code fix. Path
+The code closure keeps each stage's `deps` in dvc.yaml exact (scripts/dvc_deps.py writes them);
+rows made by older code are keyed by each stage's ROW_VERSION instead (core/resume.py). Path
 params (`verifier.tiny.corpus`, `train.init_from`) name files anywhere, often machine-specific
 (`/models/...`), so they never go into dvc.yaml (tracked, the same for every teammate): DVC sees a
 path param's value, through the stage's params, and a path under one of the stage's deps. For any
@@ -79,14 +79,6 @@ def closure(module: str) -> set[Path]:
         seen.add(m)
         todo.extend(imports(module_file(m)))
     return {module_file(m) for m in seen if module_file(m).name != "__init__.py"}
-
-
-def code_sha256(stage: str) -> str:
-    """One hash over the source of every module the stage imports."""
-    h = hashlib.sha256()
-    for f in sorted(closure(f"eagle3_pipeline.stages.{stage}")):
-        h.update(str(f.relative_to(PKG)).encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()
 
 
 def path_params(stage: str, params: Params) -> dict[str, str]:

@@ -94,15 +94,20 @@ class ClusterPlan:
     inference: list[InferenceShare]  # empty: the sample count is unknown
     training: list[TrainShare]
     epochs: int
+    curve_share: float = 0.0  # sum of curve.fractions: their training over train's
 
     @property
     def stage_seconds(self) -> dict[str, float]:
-        """Each fanned-out stage's time: its slowest node's."""
-        return {
+        """Each fanned-out stage's time: its slowest node's; the learning curve's fractions
+        train on the training nodes as train does, on their share of the rows."""
+        seconds = {
             "generate": max((s.generate_s for s in self.inference), default=0.0),
             "extract": max((s.extract_s for s in self.inference), default=0.0),
             "train": max((s.train_s for s in self.training), default=0.0),
         }
+        if self.curve_share:
+            seconds["curve_train"] = self.curve_share * seconds["train"]
+        return seconds
 
 
 def inference_shares(
@@ -198,6 +203,7 @@ def cluster_plan(
         inference=inference,
         training=training,
         epochs=params.train.epochs,
+        curve_share=sum(params.curve.fractions),
     )
 
 

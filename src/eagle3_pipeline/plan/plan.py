@@ -3,8 +3,9 @@
 `make_plan` meets every check in the order a run would (params_keys.py holds the params file
 against dvc.yaml, inputs.py reads, support.py checks the installed vLLM and the chat template,
 checks.py refuses or warns, drafter/shape.py counts, estimates.py sizes, modes.py costs the
-hidden states in both modes, nodes.py splits the work over a Ray cluster's nodes, totals.py
-sums GPUs, disk and hours); report.py renders the result. On this machine a path a stage reads
+hidden states in both modes, nodes.py splits the work over a Ray cluster's nodes, curve_cost.py
+costs the learning curve's fractions and a fitted curve of this verifier, totals.py sums GPUs,
+disk and hours); report.py renders the result. On this machine a path a stage reads
 that is not here is refused (support.missing_paths, the check stage's own line); a plan from
 config files (--verifier-config, --init-config, or profiles/configs/ standing in for a model
 folder not downloaded yet) is for the machine that will hold them and lists those paths. A
@@ -85,6 +86,9 @@ class Plan:
     support: vsupport.VerifierSupport | None = None
     params_keys: list[str] = field(default_factory=list)  # dvc.yaml's, all in the params file
     curve: curve_cost.CurvePlan | None = None  # the learning curve's predictions, costed
+    # Why no curve is costed, one line each: none fitted (--target-tau), another verifier's.
+    curve_notes: list[str] = field(default_factory=list)
+    fractions: curve_cost.FractionsCost | None = None  # what curve.fractions adds
     shipped: list[str] = field(default_factory=list)  # configs read from profiles/configs/
     # A plan from config files: the paths the check stage will refuse until they are there.
     not_here: list[str] = field(default_factory=list)
@@ -128,7 +132,8 @@ def make_plan(
 
     `samples`: further (sample count, total tokens or None for the plan's mean per sample) at
     which to cost the hidden states of both modes (`--samples`). With a learning curve
-    (metrics/curve.json), its predictions and `target_tau` are costed too (curve_cost.py).
+    (metrics/curve.json) fitted on this verifier, its predictions and `target_tau` are costed
+    too (curve_cost.py); curve.fractions' training and checkpoints are in the totals.
     """
     where = str(params_path)
     check_counts(tokens, prompts, target_tau)
@@ -224,11 +229,16 @@ def make_plan(
         cluster=cluster,
         support=support,
         params_keys=keys,
-        curve=_curve(params, target_tau),
         shipped=[n for n in (verifier_note, init_note) if n],
         not_here=[str(e) for e in missing],
     )
+    result.curve, result.curve_notes = curve_cost.plan_curve(
+        params, target_tau, _planned(params, config, config_file, verifier_config, verifier_note)
+    )
     dtype_bytes = bytes_per_token[params.extract.store_dtype]
+    curve_bytes = curve_cost.fraction_checkpoint_bytes(
+        params, weights, optimizer, result.checkpoints_kept
+    )
     result.summary = totals.totals(
         params,
         serving.weights if serving is not None else totals.verifier_weights(config, config_file),
@@ -238,6 +248,10 @@ def make_plan(
         prompt.tokens,
         steps[0],
         serving.max_concurrency if serving is not None else None,
+        curve_bytes,
+    )
+    result.fractions = curve_cost.fractions_cost(
+        params, curve_bytes, result.summary.seconds, own, dtype_bytes
     )
     return result
 
@@ -255,6 +269,19 @@ def check_counts(tokens: int | None, prompts: int | None, target_tau: float | No
         )
 
 
-def _curve(params: Params, target_tau: float | None) -> curve_cost.CurvePlan | None:
-    curve = curve_cost.load()
-    return curve_cost.curve_plan(params, curve, target_tau) if curve else None
+def _planned(
+    params: Params,
+    config: dict,
+    config_file: Path | None,
+    override: str | Path | None,
+    note: str | None,
+) -> curve_cost.PlannedVerifier:
+    """The verifier this plan is for, as a learning curve's record is compared with it: its
+    own config.json, or a copy standing in (--verifier-config, a shipped config)."""
+    v = params.verifier
+    return curve_cost.PlannedVerifier(
+        name_or_path=v.name or v.path,
+        config_file=config_file,
+        own=config_file is not None and override is None and note is None,
+        shape=vf.shape_record(config),
+    )

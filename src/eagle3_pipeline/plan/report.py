@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from eagle3_pipeline.core import paths
-from eagle3_pipeline.plan import memory, modes, nodes, totals
+from eagle3_pipeline.plan import curve_cost, memory, modes, nodes, totals
 from eagle3_pipeline.plan.plan import Plan
 
 TRAIN_SCRATCH = paths.SCRATCH / "train"  # where the train stage keeps its epoch checkpoints
@@ -320,11 +320,50 @@ def _cluster_lines(p: Plan) -> list[str]:
     return lines
 
 
+def _fraction_lines(p: Plan) -> list[str]:
+    """What curve.fractions adds: the fractions' training and checkpoints (in the totals), and
+    in online mode the store they would need (curve_cost.fractions_cost)."""
+    f = p.fractions
+    if f is None:
+        return []
+    star = {m: " (*)" if m == p.hidden_states else "" for m in modes.MODES}
+    hours = (
+        f"+ {nodes.duration(f.train_s)} of training (curve_train, in the hours below)"
+        if f.train_s is not None
+        else "training time unknown (pass --prompts N)"
+    )
+    disk = (
+        f"+ {_size(f.checkpoint_bytes)} of checkpoints (each fraction {p.checkpoints_kept} kept "
+        f"in {TRAIN_SCRATCH}-fF, best and final weights in {paths.CURVE_MODELS}/F; in the disk "
+        "below)"
+    )
+    store = (
+        f"+ {_size(f.store_bytes)} ({p.store_dtype}) and {nodes.duration(f.store_extract_s)} "
+        "of extract"
+        if f.store_bytes is not None and f.store_extract_s is not None
+        else "its size unknown (pass --prompts N)"
+    )
+    return [
+        _row(
+            "fractions",
+            f"curve.fractions {', '.join(map(str, f.fractions))}: train's drafter trained again "
+            f"on each nested fraction of the same rows, {f.share:g} x train's training tokens",
+        ),
+        _row("", f"store{star['store']}: {hours}; {disk}; no hidden states (they read the store)"),
+        _row(
+            "",
+            f"online{star['online']}: refused at load: the fractions read the store, which online "
+            f"mode does not write; a curve there costs the store besides: {store}",
+        ),
+    ]
+
+
 def _curve_lines(p: Plan) -> list[str]:
-    """The learning curve's predictions as samples, disk, prefill and hours (curve_cost.py)."""
+    """The learning curve's predictions as samples, disk, prefill and hours (curve_cost.py);
+    one line each where none is costed (none fitted, another verifier's)."""
     c = p.curve
     if c is None:
-        return []
+        return [_row("curve" if i == 0 else "", n) for i, n in enumerate(p.curve_notes)]
     lines = [
         _row(
             "curve",
@@ -332,6 +371,8 @@ def _curve_lines(p: Plan) -> list[str]:
             f"training tokens ({c.samples_now:,} samples)",
         )
     ]
+    if c.fitted_on:
+        lines.append(_row("", c.fitted_on))
     if c.check:
         lines.append(
             _row(
@@ -374,7 +415,8 @@ def _curve_lines(p: Plan) -> list[str]:
             ]
         )
     lines += _table(rows, left={0})
-    lines += [_row("", line) for line in c.epochs]
+    lines += [_row("", n) for n in c.notes]
+    lines += _trade_lines(c)
     lines.append(
         _row(
             "",
@@ -384,6 +426,17 @@ def _curve_lines(p: Plan) -> list[str]:
         )
     )
     return lines
+
+
+def _trade_lines(c: curve_cost.CurvePlan) -> list[str]:
+    """One more epoch against 2x the data, side by side: what each buys and costs from here."""
+    rows = [["from this run", "buys (mean acceptance length)", "hours store", "hours online", ""]]
+    for t in c.trade:
+        rows.append(
+            [t.label, t.buys, f"{t.hours['store']:.1f}", f"{t.hours['online']:.1f}", t.reruns]
+        )
+    lines = _table(rows, left={0, 1, 4})
+    return lines + ([_row("", c.peaks)] if c.peaks else [])
 
 
 def _gpu_line(t: totals.Totals) -> str:
@@ -408,6 +461,8 @@ def _disk_lines(p: Plan, t: totals.Totals) -> list[str]:
         else "hidden states unknown (pass --prompts N)"
     )
     checkpoints = f"checkpoints {_size(t.checkpoint_bytes)} ({p.checkpoints_kept} kept)"
+    if t.curve_bytes:
+        checkpoints += f" + curve fractions {_size(t.curve_bytes)}"
     total = _size(t.total_bytes) if t.total_bytes is not None else "unknown"
     if t.nodes == 1:
         return [
@@ -466,6 +521,7 @@ def render(p: Plan) -> str:
         + _cost_lines(p)
         + _memory_lines(p)
         + _cluster_lines(p)
+        + _fraction_lines(p)
         + _curve_lines(p)
         + _summary_lines(p)
     )

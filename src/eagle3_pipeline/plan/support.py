@@ -37,6 +37,7 @@ from eagle3_pipeline.core.errors import (
     PipelineError,
     VerifierError,
 )
+from eagle3_pipeline.evaluation import prompt_sets
 from eagle3_pipeline.plan.template import TemplateSupport, check_chat_template, one_line
 from eagle3_pipeline.plan.vllm_classes import VllmRegistry
 from eagle3_pipeline.plan.vllm_needs import (
@@ -335,6 +336,14 @@ def _init_missing(params: Params, where: str | Path) -> list[PipelineError]:
     return []
 
 
+def _prompt_sets_missing(params: Params) -> list[PipelineError]:
+    """evaluate.public_sets that `eagle3 fetch-prompts` has not fetched: evaluate reads them."""
+    if not params.evaluate.online:
+        return []
+    found = (prompt_sets.missing(name) for name in params.evaluate.public_sets)
+    return [why for why in found if why is not None]
+
+
 def missing_paths(params: Params, where: str | Path) -> list[PipelineError]:
     """Every path the run reads that is not here, in the order the stages meet them, each the
     one line both `eagle3 plan` and the check stage refuse it with: otherwise prepare, generate
@@ -343,6 +352,7 @@ def missing_paths(params: Params, where: str | Path) -> list[PipelineError]:
         *_prompts_missing(params, where),
         *_verifier_missing(params, where),
         *_init_missing(params, where),
+        *_prompt_sets_missing(params),
     ]
 
 

@@ -3,9 +3,11 @@
 One node (cluster.engine: local), or the Ray cluster's inference nodes plus its training nodes
 when train_nodes sets them apart. Disk: the verifier's weights on every node (memory.py's one
 figure, from its checkpoint index or counted from its config), and on data/ (shared by the
-nodes) the hidden states the run's mode keeps plus the epoch checkpoints train keeps. Hours:
-each stage's tokens over nodes.py's reference rates (where they come from is printed beside
-them); online mode adds the prefill train asks the verifier for in every epoch.
+nodes) the hidden states the run's mode keeps plus the epoch checkpoints train keeps, and the
+learning curve's fractions' checkpoints (curve_cost.fraction_checkpoint_bytes). Hours: each
+stage's tokens over nodes.py's reference rates (where they come from is printed beside them);
+online mode adds the prefill train asks the verifier for in every epoch; curve.fractions adds
+`curve_train`, the fractions' training: sum(F) times train's.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ class Totals:
     checkpoint_bytes: int  # the epoch checkpoints train keeps
     seconds: dict[str, float] | None  # each stage in turn (None: sample count unknown)
     rates: nodes.Rates
+    curve_bytes: int = 0  # the learning curve's fractions: their checkpoints and weights
 
     @property
     def shared_bytes(self) -> int | None:
-        """data/: the store and the checkpoints (one copy, shared by every node)."""
+        """data/ and models/: the store and the checkpoints (one copy, shared by every node)."""
         if self.store_bytes is None:
             return None
-        return self.store_bytes + self.checkpoint_bytes
+        return self.store_bytes + self.checkpoint_bytes + self.curve_bytes
 
     @property
     def total_bytes(self) -> int | None:
@@ -71,7 +74,8 @@ def stage_seconds(
     max_concurrency: int | None,
 ) -> dict[str, float] | None:
     """generate, extract and train in turn, each as long as its slowest node; online mode's
-    per-epoch prefill beside them. None when the sample count is unknown."""
+    per-epoch prefill beside them; the learning curve's fractions' training after (each fraction
+    F trains as train does on F of its rows). None when the sample count is unknown."""
     if own is None or train_tokens is None:
         return None
     c, cost = params.cluster, getattr(own, params.train.hidden_states)
@@ -90,6 +94,8 @@ def stage_seconds(
     prefill = cost.prefill_tokens - cost.disk_tokens  # online: what train asks the verifier for
     if prefill > 0:
         seconds["online prefill"] = prefill / (nodes.rates_for(params).extract_per_node * n_inf)
+    if params.curve.fractions:
+        seconds["curve_train"] = sum(params.curve.fractions) * seconds["train"]
     return seconds
 
 
@@ -110,6 +116,7 @@ def totals(
     prompt_tokens: int,
     train_tokens: int | None,
     max_concurrency: int | None,
+    curve_bytes: int = 0,
 ) -> Totals:
     return Totals(
         nodes=node_count(params),
@@ -120,4 +127,5 @@ def totals(
         checkpoint_bytes=checkpoint_bytes,
         seconds=stage_seconds(params, own, prompt_tokens, train_tokens, max_concurrency),
         rates=nodes.rates_for(params),
+        curve_bytes=curve_bytes,
     )

@@ -1,9 +1,10 @@
 """`make report [REVS="HEAD~1 HEAD"]`: the run's charts in one HTML file that needs no network.
 
 Draws every plot dvc.yaml declares: DVC's own filled specs for the training series, and the
-summary plots (acceptance per position, throughput, stage durations, store) from series derived
-at each revision (series.py). Also writes a PNG per chart and the workspace's summary series
-(metrics/report/*.json, the files dvc.yaml's summary plots read). Not a DVC stage: it reads
+summary plots (served acceptance per prompt set, acceptance per position, throughput, stage
+durations, store) from series derived at each revision (series.py). Also writes a PNG per chart
+and the workspace's summary series (metrics/report/*.json, the files dvc.yaml's summary plots
+read). Not a DVC stage: it reads
 outputs, writes none, and no stage imports it.
 """
 
@@ -21,7 +22,7 @@ from eagle3_pipeline.evaluation import speedup
 from eagle3_pipeline.report import comparison, render, series, sources
 
 OUT_DIR = Path("report")
-SUMMARY = "Summary: acceptance, throughput, durations, store"
+SUMMARY = "Summary: served acceptance, acceptance, throughput, durations, store"
 TRAINING = "Training (DVCLive series, as `dvc plots show` draws them)"
 
 

@@ -7,6 +7,7 @@ The workspace's series are also written to metrics/report/*.json, which dvc.yaml
 declares, so `dvc plots show|diff` draws the same charts.
 
 Records are flat dicts; DVC and Vega-Lite read them as they are. Fields per series:
+  served           label (held-out prompt set), value (vLLM's mean acceptance length there)
   acceptance       position (1-based), drafter, mode (offline|online), acceptance
   throughput       label (with|without drafter), value (tokens/s)
   durations        label (stage), value (seconds; None where the record has no duration_s)
@@ -21,7 +22,7 @@ from typing import Any
 from eagle3_pipeline.core import paths
 
 SERIES_DIR = paths.METRICS / "report"
-NAMES = ("acceptance", "throughput", "durations", "store_size", "bytes_per_token")
+NAMES = ("served", "acceptance", "throughput", "durations", "store_size", "bytes_per_token")
 # Drafters are drawn in this order (the ones evaluate knows today); any other name follows.
 DRAFTER_ORDER = ("untrained", "init", "trained")
 
@@ -36,6 +37,15 @@ def _per_position(drafter: str, mode: str, result: dict[str, Any]) -> Records:
     return [
         {"position": i + 1, "drafter": drafter, "mode": mode, "acceptance": float(a)}
         for i, a in enumerate(result.get("acceptance_per_position") or [])
+    ]
+
+
+def served(ev: dict[str, Any]) -> Records:
+    """The headline: vLLM's mean acceptance length per held-out prompt set (eval.json
+    `served`), the val prompts first."""
+    sets = (ev.get("served") or {}).get("sets") or {}
+    return [
+        {"label": name, "value": float(got["mean_acceptance_length"])} for name, got in sets.items()
     ]
 
 
@@ -119,6 +129,7 @@ def derive(
 ) -> dict[str, Records]:
     """Every summary series from one revision's raw files (None: the file is absent there)."""
     return {
+        "served": served(ev) if ev else [],
         "acceptance": acceptance(ev) if ev else [],
         "throughput": throughput(ev) if ev else [],
         "durations": durations(provenance),

@@ -60,6 +60,23 @@ def main() -> int:
         f'--speculative-config \'{{"method": "eagle3", "model": "{DRAFTER}", '
         f'"num_speculative_tokens": {ev["num_speculative_tokens"]}}}\')'
     )
+    if served := ev.get("served"):
+        rows = []
+        for name, got in served["sets"].items():
+            times = [
+                f"x{row['speedup']:.2f}@{c}"
+                for c, row in got["speedup_by_concurrency"].items()
+                if row.get("speedup")
+            ]
+            rows.append(
+                f"{name} {got['mean_acceptance_length']:.3f}"
+                + (f" ({', '.join(times)})" if times else "")
+            )
+        print(
+            f"served (vLLM's counts, {served['num_speculative_tokens']} drafts) on held-out "
+            f"prompts: {'; '.join(rows)}; lowest: {served['lowest_set']} "
+            f"{served['lowest_mean_acceptance_length']:.3f}"
+        )
     init = ev["offline"].get("init")
     init_text = (
         f", init checkpoint without fine-tuning: {init['mean_acceptance_length']:.3f}"

@@ -5,16 +5,17 @@ train.py, `--fraction`), then `eagle3 curve --measure F` simulates it offline, a
 simulates train's drafter, on the same val samples, per sample (metrics/fractions/F/eval.json).
 `eagle3 curve` measures train's drafter alike, fits mean acceptance length against training
 tokens (evaluation/learning_curve.py), checks the fit of the smaller fractions against the
-largest point, predicts at `curve.predict_at` times the data with intervals, and reads the full
-run's val acceptance per epoch (the epoch where it peaks). Outputs: metrics/curve.json and the
-plot series metrics/curve/{tokens,epochs}.json. Without fractions it reports the epochs only.
+largest point, predicts at `curve.predict_at` times the data with intervals, and reads each
+point's val acceptance per epoch (the full run's and every fraction's, and the epoch where it
+peaks). The result records the verifier it was measured on (its identity and shape), so a plan
+for another verifier refuses to cost it. Outputs: metrics/curve.json and the plot series
+metrics/curve/{tokens,epochs}.json. Without fractions it reports the full run's epochs only.
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,9 +75,10 @@ def _prune_unlisted(fractions: list[float]) -> None:
 def run(params: Params) -> None:
     c, k = params.curve, params.evaluate.num_speculative_tokens
     _prune_unlisted(c.fractions)
+    verifier = fitted_on(params)
     if not c.fractions:  # evaluate already simulated train's drafter: nothing to fit
-        result = {"num_speculative_tokens": k, "points": [], "check": None, "fit": None}
-        _write(result | {"predictions": None, "epochs": _epochs()})
+        result = {"num_speculative_tokens": k, "verifier": verifier, "points": [], "check": None}
+        _write(result | {"fit": None, "predictions": None, "epochs": _full_epochs()})
         return
     ids, counts = _simulate(params, {"full": paths.DRAFTER})
     full = _record(params, 1.0, _train_rows(params, None), ids, counts["full"])
@@ -87,6 +89,7 @@ def run(params: Params) -> None:
     ]
     result: dict[str, Any] = {
         "num_speculative_tokens": k,
+        "verifier": verifier,
         "val_samples": len(ids),
         "form": "logit(alpha) = a + b ln(train_tokens); tau = 1 + alpha + ... + alpha^k",
         "confidence": c.confidence,
@@ -103,6 +106,7 @@ def run(params: Params) -> None:
             "train_tokens": p.train_tokens,
             "tau": round(p.tau, 4),
             "tau_interval": _round(point_iv[i]),
+            "epochs": _epochs(_val_tau_series(p.fraction)),
         }
         for i, p in enumerate(points)
     ]
@@ -120,15 +124,38 @@ def run(params: Params) -> None:
             }
             for i, (m, t) in enumerate(zip(c.predict_at, targets, strict=True))
         ]
-    result["epochs"] = _epochs()
+    result["epochs"] = _full_epochs()
     _write(result)
+
+
+def fitted_on(params: Params) -> dict[str, Any]:
+    """The verifier the curve is measured on: its identity (name, revision, config.json's
+    sha256) and its text model's shape, what a plan compares where it cannot hash the config."""
+    config = vf.read_config(params.verifier.path)  # first: refuses a missing one in one line
+    return vf.identity(params) | vf.shape_record(config)
 
 
 def _write(result: dict[str, Any]) -> None:
     atomic.write_json(paths.CURVE, result)
     _write_plots(result)
-    for line in lc.summary_lines(result):
+    for line in lc.summary_lines(result) + _fraction_epoch_lines(result):
         log(STAGE, line)
+
+
+def _fraction_epoch_lines(result: dict[str, Any]) -> list[str]:
+    """Each fraction's val acceptance by epoch and where it peaks (the full run's is in
+    summary_lines)."""
+    lines = []
+    for p in result["points"]:
+        taus = p["epochs"]["tau_by_epoch"]
+        if p["fraction"] == 1.0 or not taus:
+            continue
+        lines.append(
+            f"fraction {p['fraction']}: val acceptance by epoch: "
+            f"{', '.join(f'{t:.3f}' for t in taus)} (peak at epoch "
+            f"{p['epochs']['peak_epoch'] + 1} of {len(taus)})"
+        )
+    return lines
 
 
 def _check(points: list[lc.Point], k: int, c: Any, seed: int) -> dict[str, Any] | None:
@@ -213,11 +240,19 @@ def _record(
     }
 
 
+# What the fit reads of a fraction's eval.json (measure writes them all).
+FRACTION_KEYS = ("fraction", "train_samples", "train_tokens", "per_sample")
+
+
 def _read_fraction(fraction: float, full: dict[str, Any]) -> dict[str, Any]:
     path = paths.CURVE_FRACTIONS / str(fraction) / "eval.json"
     if not path.is_file():
         raise DataError(f"{path}: not found: run the stage curve_train@{fraction}")
-    record = json.loads(path.read_text())
+    rerun = f"rerun curve_train@{fraction} (dvc repro -f curve_train@{fraction})"
+    record = readers.read_json_object(path, DataError, rerun)
+    missing = [key for key in FRACTION_KEYS if key not in record]
+    if missing:
+        raise DataError(f"{path}: incomplete (no {', '.join(missing)}): {rerun}")
     for key in ("val_ids_sha256", "num_speculative_tokens"):
         if record.get(key) != full[key]:
             raise DataError(
@@ -227,19 +262,34 @@ def _read_fraction(fraction: float, full: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def _epochs() -> dict[str, Any]:
-    """The full run's val acceptance per epoch (speculators' validation: the chained
-    conditional accuracies, teacher-forced), in the order the epochs ran."""
+def _val_tau_series(fraction: float) -> Path:
+    """The val acceptance per epoch train's DVCLive series holds: the full run's (1.0) or
+    fraction F's (curve_train@F publishes its series under metrics/fractions/F/train)."""
+    if fraction == 1.0:
+        return paths.TRAIN_VAL_TAU
+    live = paths.CURVE_FRACTIONS / str(fraction) / "train"
+    return live / paths.TRAIN_VAL_TAU.relative_to(paths.TRAIN_LIVE)
+
+
+def _full_epochs() -> dict[str, Any]:
+    return _epochs(paths.TRAIN_VAL_TAU) | {
+        "source": "train's val (speculators' chained conditional accuracy)"
+    }
+
+
+def _epochs(series: Path) -> dict[str, Any]:
+    """A run's val acceptance per epoch (speculators' validation: the chained conditional
+    accuracies, teacher-forced), in the order the epochs ran; the epoch (from 0) where it peaks.
+    No series (a run without val): none."""
     taus: list[float] = []
-    if paths.TRAIN_VAL_TAU.is_file():
-        with open(paths.TRAIN_VAL_TAU, newline="") as fh:
+    if series.is_file():
+        with open(series, newline="") as fh:
             taus = [float(r["acceptance_length"]) for r in csv.DictReader(fh, delimiter="\t")]
     peak = lc.peak_epoch(taus)
     return {
         "tau_by_epoch": [round(t, 4) for t in taus],
         "peak_epoch": peak,
         "peak_tau": round(taus[peak], 4) if peak is not None else None,
-        "source": "train's val (speculators' chained conditional accuracy)",
     }
 
 

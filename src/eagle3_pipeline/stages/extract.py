@@ -19,6 +19,16 @@ space and what is still to write (disk.py); the journal keeps what was complete.
 Batching and the backends (extract.backend: `hf` hooks or vLLM's `extract_hidden_states`) are in
 store/extraction.py, shared with `eagle3 probe-layers`; both backends hand [seq, n_ids, hidden] per
 sample to the same store writer.
+
+Grows by rows: each sample is keyed by its tokenized row (id, input_ids, loss_mask) and the
+settings (`settings_key`: the layers, dtype and hidden size of the store, the backend, the
+verifier's files, ROW_VERSION); the manifest records each sample's key (`row_key`). A sample
+whose key is in the last published store (as DVC restores it: harness/published.py) keeps its
+file, hardlinked into the new store (copied where DVC's cache copies); only the others are
+planned into batches and extracted. The scratch folder is keyed on the settings alone, so a
+killed run that grew resumes too. The batch budget is not part of a key: it decides which
+samples share a batch, not what a sample is, so a sample's hidden states equal a run from
+scratch's where the engine gives a sample the same values in any batch.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import atomic, disk, paths, readers, resume
 from eagle3_pipeline.core.errors import StoreError
 from eagle3_pipeline.core.progress import Progress, log
+from eagle3_pipeline.harness import published
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.store import names
 from eagle3_pipeline.store.extraction import open_backend, token_budget_batches
@@ -48,6 +59,11 @@ INPUT_DIR = paths.TOKENIZED
 OUTPUT_DIR = paths.HIDDEN_STATES
 VLLM_FILES = "vllm"  # subfolder of the scratch dir where vLLM's connector writes its files
 JOURNAL = "entries.jsonl"  # the unsharded run's journal; shards write entries.shard-I-of-N.jsonl
+# Bump when the code that makes a sample's file changes what it holds: every sample is made again.
+ROW_VERSION = 1
+# Not what a sample's file holds: how much room to keep, which val rows online mode keeps, how
+# samples are batched.
+_NOT_KEYED = {"disk_headroom_gb", "online_keep_val", "max_tokens_per_batch"}
 
 
 def write_batch(
@@ -70,7 +86,8 @@ def write_batch(
         layout,
     )
     return [
-        e | {"id": r["id"], "split": r["split"]} for (r, _), e in zip(todo, written, strict=True)
+        e | {"id": r["id"], "split": r["split"], "row_key": r["row_key"]}
+        for (r, _), e in zip(todo, written, strict=True)
     ]
 
 
@@ -101,8 +118,59 @@ def journal_name(shard: tuple[int, int] | None) -> str:
     return JOURNAL if shard is None else f"entries.shard-{shard[0]}-of-{shard[1]}.jsonl"
 
 
-def reusable_entries(work: Path, wanted: set[str]) -> dict[str, dict]:
-    """Journaled samples (of any worker) whose scratch file is intact; the others are deleted.
+def settings_key(params: Params, layout: store.StoreLayout) -> str:
+    """What decides every sample's file besides its tokenized row: the store's layers, dtype and
+    hidden size, the extract params that shape a file, the engine's settings (backend vllm), the
+    verifier's files (the same stamp on every machine) and ROW_VERSION."""
+    engine = (
+        params.vllm.model_dump(exclude={"ready_timeout_s", "gpu_memory_gib", "max_model_len"})
+        if params.extract.backend == "vllm"
+        else None
+    )
+    return resume.fingerprint(
+        STAGE,
+        ROW_VERSION,
+        {k: v for k, v in layout.__dict__.items() if k != "verifier"},  # names, not bytes
+        params.extract.model_dump(exclude=_NOT_KEYED),
+        engine,
+        params.verifier.revision,
+        vf.content_stamp(params.verifier.path),
+    )
+
+
+def row_key(settings: str, row: dict) -> str:
+    """One sample's key: the tokenized row it is made of."""
+    return resume.row_key(settings, {k: row[k] for k in ("id", "input_ids", "loss_mask")})
+
+
+def published_samples(
+    keys: dict[str, str],
+) -> tuple[published.Published | None, dict[str, dict]]:
+    """The last published store, and its manifest entries by sample id of the samples whose key
+    is `keys`' and whose file is there at its recorded size (re-hashed by train, not here: a
+    store of 800 GB is read once, by its consumer)."""
+    prev = published.previous(OUTPUT_DIR)
+    manifest = prev.file(store.MANIFEST) if prev is not None else None
+    if prev is None or manifest is None:
+        return prev, {}
+    try:
+        samples = readers.read_json_object(manifest, StoreError, "").get("samples", {})
+    except StoreError:
+        log(STAGE, f"{prev.where}: its {store.MANIFEST} is unreadable: nothing reused from it")
+        return prev, {}
+    found = {}
+    for sid, e in samples.items():
+        if sid not in keys or e.get("row_key") != keys[sid]:
+            continue
+        path = prev.file(e["file"])
+        if path is not None and path.stat().st_size == e["bytes"]:
+            found[sid] = e
+    return prev, found
+
+
+def reusable_entries(work: Path, wanted: dict[str, str]) -> dict[str, dict]:
+    """Journaled samples (of any worker) of the keys `wanted` (id -> row key) whose scratch file
+    is intact; the others are deleted.
 
     Re-hashes each file it would reuse: a file truncated or damaged after it was journaled
     (disk full, a bad node, a copy gone wrong) is extracted again, never moved into the store.
@@ -110,7 +178,7 @@ def reusable_entries(work: Path, wanted: set[str]) -> dict[str, dict]:
     candidates: dict[str, list[dict]] = {}
     for path in sorted(work.glob("entries*.jsonl")):
         for e in resume.Journal(path).read():
-            if e["id"] in wanted:
+            if e["id"] in wanted and e.get("row_key") == wanted[e["id"]]:
                 candidates.setdefault(e["id"], []).append(e)
     present = {sid: work / es[-1]["file"] for sid, es in candidates.items()}
     present = {sid: p for sid, p in present.items() if p.is_file()}
@@ -187,18 +255,16 @@ def run(params: Params, shard: tuple[int, int] | None = None) -> None:
             "simulates on); train gets the others' hidden states from vLLM while it trains",
         )
     layout = store.StoreLayout(aux, final, hidden, params.extract.store_dtype, vf.identity(params))
-    key = resume.fingerprint(
-        layout.__dict__,
-        vf.files_stamp(params.verifier.path),
-        params.extract.model_dump(exclude={"disk_headroom_gb", "online_keep_val"}),
-        resume.file_sha256(INPUT_DIR / "train.jsonl"),
-        resume.file_sha256(INPUT_DIR / "val.jsonl"),
-    )
-    work = resume.scratch_dir(STAGE, key)
+    settings = settings_key(params, layout)
+    rows = {i: r | {"row_key": row_key(settings, r)} for i, r in rows.items()}
+    work = resume.scratch_dir(STAGE, settings)
+    prev, kept = published_samples({i: r["row_key"] for i, r in rows.items()})
     lengths = {i: len(r["input_ids"]) for i, r in rows.items()}
     max_tokens = params.extract.max_tokens_per_batch
-    mine = shard_batches(token_budget_batches(lengths, max_tokens), shard)
-    entries = reusable_entries(work, {s for b in mine for s in b})
+    # Only the samples the last store lacks are planned: every worker plans the same batches.
+    planned = {i: n for i, n in lengths.items() if i not in kept}
+    mine = shard_batches(token_budget_batches(planned, max_tokens), shard)
+    entries = reusable_entries(work, {s: rows[s]["row_key"] for b in mine for s in b})
     todo = [b for b in mine if not all(i in entries for i in b)]
     missing = {s for b in todo for s in b if s not in entries}
     for sid in missing:  # temp files of a killed run; batches are disjoint between workers
@@ -207,6 +273,9 @@ def run(params: Params, shard: tuple[int, int] | None = None) -> None:
     total_tokens = sum(lengths[s] for b in mine for s in b)
     done_tokens = total_tokens - sum(lengths[s] for s in missing)
     who = "" if shard is None else f"shard {shard[0]}/{shard[1]}: "
+    where = prev.where if prev is not None else None
+    line = published.reuse_line(len(rows), len(missing), where, len(kept), len(entries))
+    log(STAGE, who + line)
     pad = padding_fraction(mine, lengths)
     largest = max((len(b) * max(lengths[s] for s in b) for b in mine), default=0)
     log(
@@ -280,7 +349,7 @@ def run(params: Params, shard: tuple[int, int] | None = None) -> None:
         return
     store_bytes = sum(lengths.values()) * layout.file_bytes_per_token()
     with disk.guard(STAGE, OUTPUT_DIR.parent, lambda: store_bytes):
-        _publish(work, rows, entries, layout)
+        _publish(work, rows, entries, layout, prev, kept)
     gb = sum(lengths.values()) * layout.bytes_per_token() / 1e9
     log(
         STAGE,
@@ -289,24 +358,38 @@ def run(params: Params, shard: tuple[int, int] | None = None) -> None:
     )
 
 
-def _publish(work: Path, rows: dict, entries: dict[str, dict], layout: store.StoreLayout) -> None:
-    """Move the scratch files into the output whole, then forget the scratch work.
+def _publish(
+    work: Path,
+    rows: dict,
+    entries: dict[str, dict],
+    layout: store.StoreLayout,
+    prev: published.Published | None,
+    kept: dict[str, dict],
+) -> None:
+    """Put the kept files of the last store and the scratch files into the output whole, in
+    the layout of a run from scratch, then forget the scratch work.
 
     Files are hardlinked into the new output (copied and fsynced when scratch is on another
-    filesystem) and unlinked from scratch only after the output is in place, so a kill or a
-    failed write at any moment leaves either the old store or the new one, and the scratch work
-    to rebuild it.
+    filesystem, or from a DVC cache that copies) and unlinked from scratch only after the output
+    is in place, so a kill or a failed write at any moment leaves either the old store or the
+    new one, and the scratch work to rebuild it. Scratch files of samples no longer wanted (their
+    prompt removed or changed) go with it.
     """
     atomic.sweep_temps(OUTPUT_DIR)  # a killed publish
+    manifest: dict[str, dict] = {}
     with atomic.replace_dir(OUTPUT_DIR) as tmp:
-        for sid in rows:
-            name = entries[sid]["file"]
-            atomic.link_or_copy(work / name, tmp / name)
-        store.write_manifest(
-            tmp, layout, {sid: {k: v for k, v in entries[sid].items() if k != "id"} for sid in rows}
-        )
-    for sid in rows:
-        (work / entries[sid]["file"]).unlink(missing_ok=True)
+        for sid, row in rows.items():
+            if sid in kept:
+                assert prev is not None
+                entry = kept[sid] | {"split": row["split"]}  # the split is prepare's to say
+                prev.put(entry["file"], tmp / entry["file"])
+            else:
+                entry = {k: v for k, v in entries[sid].items() if k != "id"}
+                atomic.link_or_copy(work / entry["file"], tmp / entry["file"])
+            manifest[sid] = entry
+        store.write_manifest(tmp, layout, manifest)
+    for path in work.glob(f"*{names.SUFFIX}"):
+        path.unlink(missing_ok=True)
     for journal in work.glob("entries*.jsonl"):
         journal.unlink()
 

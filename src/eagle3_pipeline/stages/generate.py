@@ -7,9 +7,18 @@ on loopback; with `cluster.engine: ray`, one per node, each by a worker on its n
 user (`generate.server_url` or a fleet in `generate.server_urls`). Prompts are leased to the
 servers (cluster/leases.py): each to one server, a lost server's prompts to the others. Servers
 started here want a fresh API key per run on every route (serving/auth.py); the user's get
-EAGLE3_VLLM_API_KEY. Resumable by id: finished rows are journaled in data/.work/generate/ (by
-this process alone) and never requested again. Rows that fail for good go to failed.jsonl with
-the reason; a rerun (`dvc repro -f generate`) retries only those.
+EAGLE3_VLLM_API_KEY. Rows that fail for good go to failed.jsonl with the reason; a rerun
+(`dvc repro -f generate`) retries only those.
+
+Grows by rows: each row is keyed by its request (id, messages, tools) and the stage's settings
+(`settings_key`: the generate params that decide a row, the seed, the verifier's files,
+ROW_VERSION), and the key is written into the row (`row_key`). A row whose key is in the last
+published data/generated (as DVC restores it: harness/published.py) or in the scratch journal
+(data/.work/generate/, written by this process alone, keyed on the settings only) is not
+requested again: prompts added cost only their own requests, prompts removed drop out, and the
+output is the one a run from scratch writes, row for row, where each request's answer depends on
+the request alone (backend vllm seeds each request by its id; backend hf seeds and pads a batch
+together, so a row it made keeps the answer of the batch it was made in).
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from eagle3_pipeline.conversations import chat_template, generation_rows, turns
 from eagle3_pipeline.core import atomic, paths, readers, resume
 from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.core.progress import Progress, log
-from eagle3_pipeline.harness import stage_deps
+from eagle3_pipeline.harness import published
 from eagle3_pipeline.serving import auth
 from eagle3_pipeline.serving import server as vllm_server
 from eagle3_pipeline.serving.chat import API_KEY_VAR, ChatClient, ChatReply
@@ -37,9 +46,12 @@ from eagle3_pipeline.verifier import loading
 
 STAGE = "generate"
 INPUT_DIR = paths.PREPARED
+SPLIT_FILES = ("train.jsonl", "val.jsonl")
 OUTPUT_DIR = paths.GENERATED
 SERVER_LOG = paths.SCRATCH / STAGE / "server.log"
-# How rows are fetched, not what they contain (the verifier is fingerprinted by its config):
+# Bump when the code that makes a row changes what the row holds: every row is made again.
+ROW_VERSION = 1
+# How rows are fetched, not what they contain (the verifier is keyed by its files):
 # changing these keeps the journal, e.g. to finish a killed run on a teammate's server.
 _NOT_FINGERPRINTED = {
     "server_url",
@@ -111,11 +123,12 @@ def _generate_hf(
 
 
 def _run_hf(params: Params, rows: list[dict], done: set[str], journal: resume.Journal) -> None:
-    """Fixed batches of `batch_size` rows; a batch with any row not done is redone whole."""
+    """The rows not done, in fixed batches of `batch_size` (journaled whole, in order: a killed
+    run's rows left over fall into the batches it would have made)."""
     bs = params.generate.batch_size
-    batches = [rows[i : i + bs] for i in range(0, len(rows), bs)]
-    todo = [b for b in batches if not all(r["id"] in done for r in b)]
-    progress = Progress(STAGE, len(rows), already_done=len(rows) - sum(map(len, todo)))
+    left = [r for r in rows if r["id"] not in done]
+    todo = [left[i : i + bs] for i in range(0, len(left), bs)]
+    progress = Progress(STAGE, len(rows), already_done=len(rows) - len(left))
     if todo:
         _generate_hf(params, todo, journal, progress)
 
@@ -314,28 +327,35 @@ def _run_vllm(
 
 
 def _rounds(
-    params: Params, rows: list[dict], journal: resume.Journal
+    params: Params, rows: list[dict], answers: dict[str, dict]
 ) -> Iterator[tuple[int, list[dict]]]:
     """(round, rows to answer): one round of every row with `turns: last`; with `every`, round k
-    asks turn k of each conversation, its context the verifier's answers so far (turns.py)."""
-    if params.generate.turns == "last":
+    asks turn k of each conversation, its context the verifier's answers so far (`answers`, the
+    output rows by id, filled in by the caller after each round: turns.py)."""
+    if params.generate.turns == "last" or not rows:
         yield 1, rows
         return
     for k in range(1, max(turns.turn_count(r) for r in rows) + 1):
-        answers = {r["id"]: r for r in journal.read()}
         asked = [turns.turn_row(r, k, answers) for r in rows if turns.turn_count(r) >= k]
         yield k, [r for r in asked if r is not None]
 
 
-def _fingerprint(params: Params) -> str:
+def settings_key(params: Params) -> str:
+    """What decides every row besides its own request: the generate params but how rows are
+    fetched, the seed, the verifier's files (the same stamp on every machine) and ROW_VERSION."""
     return resume.fingerprint(
+        STAGE,
+        ROW_VERSION,
         params.generate.model_dump(exclude=_NOT_FINGERPRINTED),
         params.seed,
-        resume.file_sha256(INPUT_DIR / "train.jsonl"),
-        resume.file_sha256(INPUT_DIR / "val.jsonl"),
-        vf.files_stamp(params.verifier.path),
-        stage_deps.code_sha256(STAGE),  # rows made by older code never survive a code fix
+        params.verifier.revision,
+        vf.content_stamp(params.verifier.path),
     )
+
+
+def row_key(settings: str, row: dict) -> str:
+    """One request's key: what the request is made of (its id seeds it)."""
+    return resume.row_key(settings, {k: row.get(k) for k in ("id", "messages", "tools")})
 
 
 def _write_outputs(results: list[dict], failed: list[dict]) -> None:
@@ -359,7 +379,10 @@ def _identity_note(params: Params, servers: list[leases.Server]) -> None:
 def run(params: Params) -> None:
     rows = _rows(params)
     vf.read_config(params.verifier.path)  # a clear error before anything else when missing
-    journal = resume.Journal(resume.scratch_dir(STAGE, _fingerprint(params)) / "done.jsonl")
+    settings = settings_key(params)
+    journal = resume.Journal(resume.scratch_dir(STAGE, settings) / "done.jsonl")
+    earlier, where = published.keyed_rows(OUTPUT_DIR, SPLIT_FILES)
+    results: dict[str, dict] = {}  # id -> output row, of every round so far
     failed: list[dict] = []
     asked: list[str] = []
     tally = leases.Tally()
@@ -375,30 +398,46 @@ def run(params: Params) -> None:
                 _identity_note(params, fleet[0])
             return fleet[0]
 
-        for k, round_rows in _rounds(params, rows, journal):
+        for k, round_rows in _rounds(params, rows, results):
             if k > 1:
                 log(STAGE, f"turn {k}: {len(round_rows)} conversations")
-            done = {r["id"] for r in journal.read()}
+            round_rows = [r | {"row_key": row_key(settings, r)} for r in round_rows]
+            journaled = {r["row_key"]: r for r in journal.read() if "row_key" in r}
+            from_output = {r["id"] for r in round_rows if r["row_key"] in earlier}
+            from_journal = {r["id"] for r in round_rows if r["row_key"] in journaled}
+            reused = from_output | from_journal
+            line = published.reuse_line(
+                len(round_rows),
+                len(round_rows) - len(reused),
+                where,
+                len(from_output),
+                len(from_journal - from_output),
+            )
+            log(STAGE, line)
             asked += [r["id"] for r in round_rows]
             if g.backend == "vllm":
-                failed += _run_vllm(params, round_rows, done, journal, servers, tally)
+                failed += _run_vllm(params, round_rows, reused, journal, servers, tally)
             else:
-                _run_hf(params, round_rows, done, journal)
+                _run_hf(params, round_rows, reused, journal)
+            journaled = {r["row_key"]: r for r in journal.read() if "row_key" in r}
+            for r in round_rows:
+                got = journaled.get(r["row_key"]) or earlier.get(r["row_key"])
+                if got is not None:  # the split is prepare's to say, not part of the answer
+                    results[r["id"]] = got | {"split": r["split"]}
     if fleet and (params.cluster.engine == "ray" or g.server_urls):
         engine = "ray" if not g.given_servers else "server_urls"
         cluster_record.write(
             STAGE, {"engine": engine, "concurrency_per_server": g.concurrency} | tally.record()
         )
-    finished = {r["id"]: r for r in journal.read()}
-    results = [finished[i] for i in asked if i in finished]
+    out = [results[i] for i in asked if i in results]
     failed.sort(key=lambda f: f["id"])
-    _write_outputs(results, failed)
-    n_reason = sum(1 for r in results if r["reasoning"])
-    n_stop = sum(1 for r in results if r["finish_reason"] == "stop")
+    _write_outputs(out, failed)
+    n_reason = sum(1 for r in out if r["reasoning"])
+    n_stop = sum(1 for r in out if r["finish_reason"] == "stop")
     log(
         STAGE,
-        f"{len(results)} responses ({n_reason} with reasoning, {n_stop} finished, "
-        f"{len(results) - n_stop} hit max_new_tokens) -> {OUTPUT_DIR}",
+        f"{len(out)} responses ({n_reason} with reasoning, {n_stop} finished, "
+        f"{len(out) - n_stop} hit max_new_tokens) -> {OUTPUT_DIR}",
     )
     if failed:
         log(

@@ -7,19 +7,28 @@ turn (conversations/magpie.py). With `turns` > 1 the verifier then answers greed
 user turn is sampled after that answer; the row is [user, assistant, ..., user], and generate
 answers its last turn.
 
-Reproducible and resumable: prompts are sampled in fixed batches of `batch_size` (vLLM on CPU
-takes no per-request seed; each call is seeded whole: serving/sampler.py), batch i seeded by a
-hash of (seed, i, turn); each finished batch is journaled in data/.work/synthesize/ as sampled,
-and filters (conversations/synthesis_filters.py) and deduplication against the prompts kept before
-(conversations/near_duplicates.py) are replayed from the journal. A killed run, or one with a larger
-`count`, goes on from the batches drawn and ends with the same prompts (a smaller count keeps a
+Reproducible, resumable, and grown by batches: prompts are sampled in fixed batches of
+`batch_size` (vLLM on CPU takes no per-request seed; each call is seeded whole:
+serving/sampler.py), batch i seeded by a hash of (seed, i, turn), so batch i depends on (seed, i)
+and the settings alone. Which of its conversations are kept depends on the batches before it
+(deduplication against the prompts kept so far is order-dependent: near_duplicates.py), so the
+batches are replayed in order: filters (conversations/synthesis_filters.py) and deduplication
+run again over every batch drawn, never a batch's own result alone. Each batch is keyed by its
+index and the settings (`settings_key`: what a batch samples, the verifier's files,
+ROW_VERSION; not `count`, `max_samples_ratio` nor `near_duplicate_jaccard`, which only decide
+what is kept of the batches); every batch drawn is journaled in data/.work/synthesize/ as sampled
+and published with its key in data/synthesized/batches.jsonl. At the start, batches 0, 1, ... are
+taken from the last published output (as DVC restores it: harness/published.py) or the journal
+while their keys match; sampling goes on from the first batch missing. A killed run, or one with
+a larger `count`, thus ends with the prompts a run from scratch keeps (a smaller count keeps a
 prefix of them). Batches are drawn until `count` prompts are kept, or fail in one line after
 count x max_samples_ratio conversations, naming the drop counts and what to change.
 
 Output (data/synthesized/, replaced whole): prompts.jsonl in the project's prompt format, ids
 derived from the content (`syn-` + 20 hex digits of its sha256), in the order they were kept;
-stats.json (sampled, kept, dropped by reason, a few dropped examples, seconds, prompts/s).
-count 0 writes an empty prompts.jsonl and zeroed stats without reading the verifier.
+batches.jsonl (every batch the prompts were kept from, as sampled); stats.json (sampled, kept,
+dropped by reason, a few dropped examples, seconds, prompts/s). count 0 writes an empty
+prompts.jsonl and batches.jsonl and zeroed stats without reading the verifier.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from eagle3_pipeline.conversations.near_duplicates import NearDuplicates
 from eagle3_pipeline.core import atomic, paths, resume
 from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.core.progress import Progress, log
-from eagle3_pipeline.harness import stage_deps
+from eagle3_pipeline.harness import published
 from eagle3_pipeline.serving import sampler as samplers
 from eagle3_pipeline.verifier import identity as vf
 from eagle3_pipeline.verifier import loading
@@ -48,13 +57,15 @@ STAGE = "synthesize"
 OUTPUT_DIR = paths.SYNTHESIZED
 PROMPTS = "prompts.jsonl"
 STATS = "stats.json"
-JOURNAL = "batches.jsonl"
+JOURNAL = "batches.jsonl"  # the scratch journal's name and the published batches'
 ID_PREFIX = "syn-"
 EXAMPLES = 3  # dropped turns shown per reason in stats.json
 EXAMPLE_CHARS = 200
 # Not what a batch samples: changing them keeps the journal (filters of the first turn and
 # deduplication are replayed from it; a larger count or ratio goes on from the batches drawn).
 _NOT_FINGERPRINTED = {"count", "max_samples_ratio", "near_duplicate_jaccard"}
+# Bump when the code that samples a batch changes what it holds: every batch is drawn again.
+ROW_VERSION = 1
 
 
 def conversation_id(messages: list[dict]) -> str:
@@ -122,7 +133,8 @@ def run(params: Params) -> None:
     vf.read_config(params.verifier.path)  # a clear error first when the verifier is missing
     tokenizer = loading.load_tokenizer(params)
     shape = magpie.derive(tokenizer, params.generate.chat_template_kwargs)
-    journal = resume.Journal(resume.scratch_dir(STAGE, _fingerprint(params)) / JOURNAL)
+    settings = settings_key(params)
+    journal = resume.Journal(resume.scratch_dir(STAGE, settings) / JOURNAL)
     max_batches = math.ceil(s.count * s.max_samples_ratio / s.batch_size)
     system = " (after the template's default system prompt)" if shape.default_system else ""
     log(
@@ -133,11 +145,25 @@ def run(params: Params) -> None:
         f"{s.max_samples_ratio:g})",
     )
     tally = Tally(s)
-    for entry in journal.read():
-        if tally.full or tally.batches >= max_batches or entry["batch"] != tally.batches:
+    earlier, where = published.keyed_rows(OUTPUT_DIR, (JOURNAL,))
+    journaled = {e["row_key"]: e for e in journal.read() if "row_key" in e}
+    drawn: list[dict[str, Any]] = []  # every batch absorbed, in order: batches.jsonl
+    from_output = from_journal = 0
+    while not tally.full and tally.batches < max_batches:
+        key = batch_key(settings, tally.batches)
+        entry = earlier.get(key) or journaled.get(key)
+        if entry is None:
             break
-        tally.absorb(entry)
+        kept = tally.absorb(entry)
+        from_output += kept if key in earlier else 0
+        from_journal += 0 if key in earlier else kept
+        drawn.append(entry)
     resumed, kept_before = tally.batches, min(len(tally.kept), s.count)
+    from_output = min(from_output, kept_before)  # a last batch's prompts past count are unused
+    line = published.reuse_line(
+        s.count, s.count - kept_before, where, from_output, kept_before - from_output
+    )
+    log(STAGE, line)
     progress = Progress(STAGE, s.count, unit="prompts", already_done=kept_before)
     t_sampling = time.monotonic()
     batches = _BatchSampler(params, tokenizer, shape)
@@ -145,8 +171,9 @@ def run(params: Params) -> None:
         while not tally.full and tally.batches < max_batches:
             if batches.sampler is None:  # started only when a batch is left to draw
                 batches.sampler = stack.enter_context(samplers.open_sampler(params, tokenizer))
-            entry = batches.sample(tally.batches)
+            entry = batches.sample(tally.batches) | {"row_key": batch_key(settings, tally.batches)}
             journal.append([entry])
+            drawn.append(entry)
             progress.advance(tally.absorb(entry), extra=tally.summary())
     if not tally.full:
         raise DataError(_failure(s, tally))
@@ -154,8 +181,8 @@ def run(params: Params) -> None:
     seconds = time.monotonic() - t0
     rows = [{"id": conversation_id(m), "messages": m} for m in tally.kept[: s.count]]
     new = len(rows) - kept_before
-    _write(rows, _stats(s, tally, seconds, new / sampling_s if new else 0.0, shape, resumed))
-    rate = f" ({new / sampling_s:.1f} prompts/s sampled)" if new else " (all from the journal)"
+    _write(rows, _stats(s, tally, seconds, new / sampling_s if new else 0.0, shape, resumed), drawn)
+    rate = f" ({new / sampling_s:.1f} prompts/s sampled)" if new else " (all reused)"
     log(
         STAGE,
         f"kept {len(rows)} of {tally.sampled} sampled ({_drops(tally)}) in {seconds:.1f} s"
@@ -259,16 +286,25 @@ def _end_ids(params: Params, tokenizer: Any) -> list[int]:
     return list(dict.fromkeys(int(e) for e in ends))
 
 
-def _fingerprint(params: Params) -> str:
+def settings_key(params: Params) -> str:
+    """What decides every batch besides its index: the synthesize params but those that only
+    decide what is kept, the chat template's kwargs, the engine's settings, the verifier's files
+    (the same stamp on every machine) and ROW_VERSION."""
     s = params.prepare.synthesize
     return resume.fingerprint(
+        STAGE,
+        ROW_VERSION,
         s.model_dump(exclude=_NOT_FINGERPRINTED),
         params.generate.chat_template_kwargs,
         params.vllm.model_dump(exclude={"ready_timeout_s", "gpu_memory_gib"}),
-        [params.verifier.path, params.verifier.revision],
-        vf.files_stamp(params.verifier.path),
-        stage_deps.code_sha256(STAGE),  # batches drawn by older code never survive a code fix
+        params.verifier.revision,
+        vf.content_stamp(params.verifier.path),
     )
+
+
+def batch_key(settings: str, batch: int) -> str:
+    """Batch `batch`'s key: its index (its seeds derive from it) under the settings."""
+    return resume.row_key(settings, {"batch": batch})
 
 
 def _failure(s: SynthesizeParams, tally: Tally) -> str:
@@ -325,7 +361,8 @@ def _stats(
     return stats
 
 
-def _write(rows: list[dict], stats: dict[str, Any]) -> None:
+def _write(rows: list[dict], stats: dict[str, Any], batches: list[dict] | None = None) -> None:
     with atomic.replace_dir(OUTPUT_DIR) as tmp:
         atomic.write_jsonl(tmp / PROMPTS, rows)
+        atomic.write_jsonl(tmp / JOURNAL, batches or [])
         atomic.write_json(tmp / STATS, stats)

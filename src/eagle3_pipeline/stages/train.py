@@ -8,7 +8,8 @@ Checkpoints live in data/.work/train/ (not a DVC output: DVC would copy them bef
 a rerun after a kill (SIGKILL included) resumes from the last complete epoch there, exactly
 (training.checkpoints), and cuts the DVCLive series back to it. `train.keep_last` bounds the
 epochs kept. The outputs are copies of the best (lowest val loss) and final checkpoints. Metrics
-go to DVCLive (metrics/train/) and, as plain lines, to stdout so a log file shows the loss.
+go to DVCLive (metrics/train/) and, as plain lines, to stdout so a log file shows the loss; the
+metrics file also names the rows the processes' loaders held (`train_rows`, `train_ids_hash`).
 
 `train.nproc` > 1 relaunches the training part through torchrun (`python -m
 eagle3_pipeline.stages.train --worker PARAMS_JSON` per process: training/launch.py); this
@@ -40,7 +41,12 @@ from eagle3_pipeline.drafter.conventions import run_conventions
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.training import online, online_pools
 from eagle3_pipeline.training.checkpoints import discard_incomplete, resume_epoch
-from eagle3_pipeline.training.data import TrainingSample, write_training_data
+from eagle3_pipeline.training.data import (
+    TRAINED_ROWS,
+    TrainingSample,
+    trained_rows,
+    write_training_data,
+)
 from eagle3_pipeline.training.inputs import TrainInputs, distributed, nodes, run_settings
 from eagle3_pipeline.training.launch import die_with_agent, launch
 from eagle3_pipeline.training.metrics import MetricsSink, open_live, trim_live
@@ -66,7 +72,8 @@ def run(params: Params, outputs: Outputs | None = None, fraction: float | None =
     inputs = dataclasses.replace(
         _inputs(params, outputs.family_key, fraction), record_as=outputs.stage
     )
-    write_training_data(inputs.data_dir, inputs.samples)
+    write_training_data(inputs.data_dir, inputs.samples, ids=inputs.row_ids)
+    (inputs.save_dir / TRAINED_ROWS).unlink(missing_ok=True)  # this run's ranks write it anew
     if not sys.stdout.isatty():
         os.environ.setdefault("TQDM_DISABLE", "1")  # bars are noise in a log file
     removed = discard_incomplete(inputs.save_dir)
@@ -91,10 +98,13 @@ def run(params: Params, outputs: Outputs | None = None, fraction: float | None =
             launch(params, inputs, __name__, worker_args=_worker_args(outputs, fraction))
         else:
             _train(params, inputs)
+    # What the ranks' loaders held (training.data), not what params say they should have.
+    trained = trained_rows(inputs.save_dir, t.nproc * nodes(params))
+    log(STAGE, f"trained on {trained['train_rows']} rows ({trained['train_ids_hash'][:12]})")
     twin = None  # a branch is measured against its untrained twin (evaluate does train's)
     if outputs.twin and t.hidden_states == "store":
         twin = untrained_val(run_settings(params, inputs, None), inputs.work / "twin")
-    publish(outputs, inputs.live_dir, inputs.save_dir, t.epochs, t.family, twin)
+    publish(outputs, inputs.live_dir, inputs.save_dir, t.epochs, t.family, twin, trained)
 
 
 def _train_online(params: Params, inputs: TrainInputs, worker_args: list[str]) -> None:

@@ -4,11 +4,15 @@ Row i of an arrow dataset pairs with `hidden_states/hs_<i>.safetensors`. Each fi
 `hidden_states [seq, n, hidden]`: the aux layers in the order of `target_layer_ids` (aux ids
 only), then the final layer LAST; speculators feeds `[:, :-1]` to the drafter and makes the
 targets from `[:, -1]`. The train/val split is ordered: rows [0, int(n * train_data_ratio))
-train, the rest validate, so validation rows go last (`train_data_ratio_for`).
+train, the rest validate, so validation rows go last (`train_data_ratio_for`). A
+`sample_id` column names each row's sample: what a run trained on is read from the rows its
+loader held (`trained_rows`), not derived again from params.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Literal, TypedDict
@@ -25,10 +29,14 @@ class TrainingSample(TypedDict):
     hidden_states_file: Path | None
 
 
+TRAINED_ROWS = "trained_rows.json"  # in save_dir: the training rows each rank's loader held
+
+
 def write_training_data(
     data_dir: Path,
     samples: list[TrainingSample],
     *,
+    ids: list[str] | None = None,
     link: Literal["symlink", "hardlink"] = "symlink",
 ) -> None:
     """Lay out the directory speculators' `--data-path` reads, replacing `data_dir` whole.
@@ -37,11 +45,14 @@ def write_training_data(
     `hidden_states/hs_<i>.safetensors`, a relative symlink (or hardlink) to the sample's file.
     Each file is checked here because speculators silently drops a row whose `token_ids`
     differ from its `input_ids`, and fails with a shape error deep in the model otherwise.
+    `ids`: each row's sample id, as the `sample_id` column (speculators reads past it).
     """
     from datasets import Dataset
 
     if not samples:
         raise ValueError("write_training_data: no samples")
+    if ids is not None and len(ids) != len(samples):
+        raise ValueError(f"write_training_data: {len(ids)} ids for {len(samples)} samples")
     layer_shape: tuple[int, ...] | None = None
     for i, sample in enumerate(samples):
         if sample["hidden_states_file"] is None:
@@ -63,6 +74,7 @@ def write_training_data(
                 "loss_mask": [s["loss_mask"] for s in samples],
                 "seq_len": [len(s["input_ids"]) for s in samples],
             }
+            | ({"sample_id": list(ids)} if ids is not None else {})
         )
         # speculators compares stored token_ids with these rows as torch tensors.
         dataset.set_format(type="torch")
@@ -89,6 +101,42 @@ def train_data_ratio_for(n_train: int, n_rows: int) -> float:
     if not 0 < n_train < n_rows:
         raise ValueError(f"need 0 < n_train < n_rows, got {n_train} of {n_rows}")
     return (n_train + 0.5) / n_rows
+
+
+def ids_hash(ids: list[str]) -> str:
+    """sha256 of the sorted sample ids, one a line: the same rows give the same hash."""
+    return hashlib.sha256("".join(f"{i}\n" for i in sorted(ids)).encode()).hexdigest()
+
+
+def loaded_rows(dataset: object) -> dict[str, object] | None:
+    """{rows, ids_hash} of the sample ids a speculators dataset holds (its `data`, after its
+    train/val cut), or None where the data carries no `sample_id` column."""
+    data = getattr(dataset, "data", None)
+    if data is None or "sample_id" not in data.column_names:
+        return None
+    ids = [str(i) for i in data.with_format(None)["sample_id"]]
+    return {"rows": len(ids), "ids_hash": ids_hash(ids)}
+
+
+def trained_rows(save_dir: Path, world_size: int) -> dict[str, object]:
+    """{train_rows, train_ids_hash}: what the run's `world_size` ranks trained on, from the
+    TRAINED_ROWS record rank 0 wrote (every rank's loader holds the whole training split; its
+    sampler picks that rank's batches from it). Raises RuntimeError when a rank is missing or
+    the ranks held different rows."""
+    path = save_dir / TRAINED_ROWS
+    if not path.is_file():
+        raise RuntimeError(f"{path}: the training recorded no rows it loaded")
+    ranks = json.loads(path.read_text())["ranks"]
+    if sorted(r["rank"] for r in ranks) != list(range(world_size)):
+        raise RuntimeError(
+            f"{path}: rows recorded by ranks {sorted(r['rank'] for r in ranks)}, "
+            f"expected ranks 0..{world_size - 1}"
+        )
+    held = {(r["rows"], r["ids_hash"]) for r in ranks}
+    if len(held) != 1:
+        raise RuntimeError(f"{path}: the ranks loaded different training rows: {ranks}")
+    rows, digest = held.pop()
+    return {"train_rows": rows, "train_ids_hash": digest}
 
 
 def check_layer_count(

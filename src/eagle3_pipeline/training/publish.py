@@ -57,13 +57,15 @@ def publish(
     epochs: int,
     family: FamilyParams,
     twin: dict[str, float] | None = None,
+    trained: dict[str, object] | None = None,
 ) -> None:
     """Copy the run's best and final checkpoints and its DVCLive series into `out`.
 
     Besides the val metrics as speculators names them, the metrics file holds `drafter`: the
     family and its per-position val accuracy numbered alike for every family (1 = the first
     drafted token), so `dvc metrics show` compares the families in one table; with `twin`
-    (the untrained twin's val metrics, run.untrained_val) the same measures of the twin.
+    (the untrained twin's val metrics, run.untrained_val) the same measures of the twin. With
+    `trained` ({train_rows, train_ids_hash}: data.trained_rows) what the run's loaders held.
     """
     summary = read_summary(run_live)
     shutil.rmtree(out.live, ignore_errors=True)
@@ -74,7 +76,7 @@ def publish(
         _copy_checkpoint(save_dir / str(epochs - 1), tmp / "final")
         atomic.write_json(tmp / "summary.json", {"best_epoch": int(best.name), "epochs": epochs})
     val = {k: round(v, 6) for k, v in summary.get("val", {}).items()}
-    record = {"best_epoch": int(best.name), "val_at_last_epoch": val}
+    record = {"best_epoch": int(best.name), "val_at_last_epoch": val} | (trained or {})
     if out.stage != "train" or family != FamilyParams():
         record["drafter"] = comparable(family, val)
     if twin is not None:

@@ -3,8 +3,10 @@
 We depend on speculators' trainer rather than rewrite it, so its checkpoints are what vLLM loads.
 `TrainSettings` is everything a run needs, built once (`from_params`); `build_train_config` turns
 it into speculators' TrainConfig and `run_training` runs `main()` inside our scoped patches.
-Besides checkpoints (see `checkpoints`), save_dir gets run.yaml and train_command.txt and, when
-the venv sits inside a git work tree, speculators.patch (`git diff HEAD` of that tree).
+Besides checkpoints (see `checkpoints`), save_dir gets run.yaml and train_command.txt, when
+the venv sits inside a git work tree speculators.patch (`git diff HEAD` of that tree), and
+trained_rows.json: each rank's count and hash of the rows its training loader held
+(data.trained_rows reads it).
 
 Under torchrun (LOCAL_RANK set) each process calls `run_training`; speculators initialises
 torch.distributed (gloo on CPU, via the shims), wraps the drafter in DDP or, with `fsdp`, FSDP2,
@@ -43,6 +45,7 @@ from eagle3_pipeline.training.speculators_patches import (
     apply_shims,
     hidden_state_noise,
     lm_head_trainable,
+    loaded_rows_record,
     no_progress_bars,
     online_api_key,
     own_thread_env,
@@ -185,6 +188,7 @@ def run_training(
         online_api_key(s.online_api_key),  # online mode's server key, if any
         quiet_request_logs(),
         own_thread_env(),
+        loaded_rows_record(s.save_dir),
         init_from_verifier(
             t.init_from_verifier,
             s.verifier_dir,

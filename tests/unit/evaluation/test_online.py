@@ -7,7 +7,7 @@ import contextlib
 from pathlib import Path
 
 import pytest
-from online_runs import fake_run
+from online_runs import fake_run, stepped_run
 
 from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.evaluation import online as oe
@@ -111,6 +111,44 @@ def test_evaluate_judges_losslessness_by_prompt_id(tmp_path: Path) -> None:
     assert differing == [1]
     assert verdict.outcome == "diverged" and not verdict.passed
     assert [(d.prompt, d.position) for d in verdict.diverged] == [("b", 1)]
+
+
+def test_public_sets_are_served_and_judged_on_the_same_servers(tmp_path: Path) -> None:
+    """Each public set: both servers' full passes, vLLM's per-answer counts (checked against
+    its counters), paired rounds at each concurrency, and its divergences in the one verdict."""
+    held = oe.HeldOutSet("he", "pkg: data", ["h0", "h1"], CONVERSATIONS[:2], ["coding"] * 2)
+    started: list[tuple[str, int, int]] = []
+
+    def fake(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+        public = conversations[0] == CONVERSATIONS[0] and len(conversations) == 2
+        started.append((spec.log_file.name, len(conversations), settings.concurrency))
+        tokens = [[1, 2, 3, 4, 5], [6, 7, 8, 9]]
+        if not spec.speculative_config:
+            return fake_run(tokens, wall=2.0, drafts=0, accepted=0)
+        if public:
+            tokens[1] = [6, 7, 0, 9]  # diverges without logprobs: the verdict must fail
+        return stepped_run(tokens, [[3], [1, 0]] if public else [[2], [2]])
+
+    base = ServerSpec(model="v", log_file=tmp_path / "x.log")
+    settings = oe.Settings(
+        num_speculative_tokens=K, max_new_tokens=24, concurrency=1, throughput_concurrency=(8,)
+    )
+    section, _, verdict = oe.evaluate(
+        base, "d", CONVERSATIONS[2:4], settings, tmp_path, fake, held_out=[held], answer_window=2
+    )
+    got = section["held_out"]["he"]
+    assert got["num_prompts"] == 2 and got["num_drafts"] == 3
+    assert got["mean_acceptance_length"] == pytest.approx(1 + 4 / 3)
+    assert got["acceptance_per_position"] == pytest.approx([2 / 3, 1 / 3, 1 / 3])
+    assert got["counts_match_counters"] is True
+    assert [w["tokens"] for w in got["by_answer_position"]] == [[0, 1], [2, 3]]
+    assert got["cut"]["count"] == 2 and got["looping"]["count"] == 0
+    assert sorted(got["speedup_by_concurrency"]) == ["1", "8"]
+    assert got["speedup_by_concurrency"]["1"]["speedup"] == pytest.approx(2.0)
+    assert got["lossless"] == "diverged" and got["num_identical"] == 1
+    assert section["served"]["mean_acceptance_length"] == pytest.approx(3.0)
+    assert verdict.num_prompts == 4 and [d.prompt for d in verdict.diverged] == ["h1"]
+    assert {c for _, n, c in started if n <= 2} >= {1, 8}
 
 
 def test_runs_without_token_ids_cannot_be_judged() -> None:

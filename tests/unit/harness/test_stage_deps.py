@@ -3,11 +3,9 @@ where no dep holds them (the record and its check: tests/unit/test_dvc_yaml.py).
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 
 from eagle3_pipeline.config.params import load_params
@@ -16,20 +14,6 @@ from eagle3_pipeline.harness import stage_deps
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "scripts"))
 import dvc_deps  # noqa: E402
-
-
-def test_code_hash_follows_every_module_the_stage_imports(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    pkg = tmp_path / "eagle3_pipeline"
-    shutil.copytree(stage_deps.PKG, pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(stage_deps, "PKG", pkg)
-    before = stage_deps.code_sha256("generate")
-    assert stage_deps.code_sha256("generate") == before
-    chat = pkg / "serving/chat.py"  # imported by generate through a shared module
-    chat.write_text(chat.read_text() + "\n# a fix\n")
-    assert stage_deps.code_sha256("generate") != before
-    assert stage_deps.code_sha256("vocab") == stage_deps.code_sha256("vocab")
 
 
 def test_the_default_corpus_is_covered_by_data_corpus() -> None:

@@ -106,6 +106,7 @@ def test_online_mode_keeps_only_the_val_samples_asked(tmp_path: Path) -> None:
     def online(p: dict) -> None:
         p["train"]["hidden_states"] = "online"
         p["train"]["num_workers"] = 0  # the server train starts wants a key workers lack
+        p["curve"]["fractions"] = []  # the fractions read the store online mode does not write
         p["extract"]["online_keep_val"] = 200
 
     params_path = profile(tmp_path, online)
@@ -137,6 +138,7 @@ def test_online_keep_val_below_what_evaluate_simulates_warns(tmp_path: Path) -> 
     def fewer(p: dict) -> None:
         p["train"]["hidden_states"] = "online"
         p["train"]["num_workers"] = 0  # the server train starts wants a key workers lack
+        p["curve"]["fractions"] = []  # the fractions read the store online mode does not write
         p["extract"]["online_keep_val"] = 100  # evaluate.max_offline_samples is 200
 
     params_path = profile(tmp_path, fewer)

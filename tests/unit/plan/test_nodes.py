@@ -68,6 +68,7 @@ def test_online_mode_writes_only_the_kept_val_samples(tmp_path: Path) -> None:
     raw = yaml.safe_load(FOUR_NODES.read_text())
     raw["train"]["hidden_states"] = "online"
     raw["train"]["num_workers"] = 0  # the servers' key would not reach loader workers
+    raw["curve"]["fractions"] = []  # the fractions read the store online mode does not write
     raw["extract"]["online_keep_val"] = 200
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(raw))

@@ -39,7 +39,7 @@ def test_every_declared_plot_is_drawn_as_svg_and_png_with_nothing_remote(repo: P
     path = build.build([])
     html = path.read_text()
     drawn = _chart_data(html)
-    assert sorted(drawn) == sorted(_plot_ids()) and len(drawn) == 15
+    assert sorted(drawn) == sorted(_plot_ids()) and len(drawn) == 16
     for pid, svg in drawn.items():
         assert re.search(r"<(path|rect)\b", svg), pid  # marks, not an empty frame
         assert (repo / "report/png" / f"{build.render.slug(pid)}.png").stat().st_size > 1000

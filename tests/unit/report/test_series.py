@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from report_fixtures import eval_doc
 
 from eagle3_pipeline.report import series
@@ -32,6 +33,14 @@ def test_acceptance_without_init_and_with_online_per_drafter() -> None:
     assert online[:3] == [("init", 0.3), ("init", 0.2), ("init", 0.1)]
     assert [d for d, _ in online[3:]] == ["trained"] * 3
     assert not any(r["drafter"] == "init" and r["mode"] == "offline" for r in rows)
+
+
+def test_served_acceptance_per_held_out_set_val_first() -> None:
+    assert series.served(eval_doc()) == [
+        {"label": "val", "value": pytest.approx(2.8)},
+        {"label": "humaneval", "value": pytest.approx(2.0)},
+    ]
+    assert series.served({"offline": {}}) == []
 
 
 def test_throughput_durations_and_store() -> None:

@@ -45,6 +45,30 @@ def test_matching_params(run_dir: Path, capsys) -> None:
     assert "offline simulated mean acceptance length: 2.500" in out.out and out.err == ""
 
 
+def test_served_figures_lead_the_summary(run_dir: Path, capsys) -> None:
+    """Served acceptance per held-out set, with each trusted speed-up, comes first."""
+    timed = {"speedup": 1.31, "speedup_spread": 0.1}
+    served = {
+        "num_speculative_tokens": 3,
+        "lowest_set": "humaneval",
+        "lowest_mean_acceptance_length": 1.5,
+        "sets": {
+            "val": {"mean_acceptance_length": 2.0, "speedup_by_concurrency": {"1": timed}},
+            "humaneval": {
+                "mean_acceptance_length": 1.5,
+                "speedup_by_concurrency": {"1": {"speedup": None}, "8": timed},
+            },
+        },
+    }
+    (run_dir / "metrics/eval.json").write_text(json.dumps({"served": served} | EVAL))
+    assert summary.main() == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == (
+        "served (vLLM's counts, 3 drafts) on held-out prompts: val 2.000 (x1.31@1); "
+        "humaneval 1.500 (x1.31@8); lowest: humaneval 1.500"
+    )
+
+
 def test_three_drafters_side_by_side(run_dir: Path, capsys) -> None:
     """With train.init_from, the init checkpoint as published is printed beside the others."""
     with_init = EVAL | {

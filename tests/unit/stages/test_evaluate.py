@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from online_runs import fake_run, write_val_prompts
+from online_runs import fake_run, stepped_run, write_val_prompts
 
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import DataError, ServerError
 from eagle3_pipeline.evaluation import online as oe
+from eagle3_pipeline.evaluation import prompt_sets
 from eagle3_pipeline.evaluation import verdict as rules
 from eagle3_pipeline.evaluation.losslessness import TokenLogprobs
 from eagle3_pipeline.serving.server import ServerSpec
@@ -96,6 +97,44 @@ def test_stage_online_section_and_mismatch_line(
     assert len(lines) == 1
     for cause in ("layer ids", "d2t/t2d", "norm_before_fc/norm_output", "verifier"):
         assert cause in lines[0]
+
+
+def test_public_sets_lead_eval_json_and_leave_out_what_training_holds(
+    stage_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HumanEval (installed with the lock) served beside val: the prompt that the training
+    prompts hold is left out, the set's figures and the lowest set head `served`."""
+    first, second, third = prompt_sets.chosen(prompt_sets.load("humaneval").prompts)[:3]
+    train = stage_dir / "data/prepared/train.jsonl"
+    train.write_text(json.dumps({"id": "t0", "messages": first.messages}) + "\n")
+    public_ids: list[list[str]] = []
+
+    def fake(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+        public = "Python function" in conversations[0][0]["content"]
+        if public and settings.top_logprobs:
+            public_ids.append([c[0]["content"] for c in conversations])
+        tokens = [[1, 2, 3, 4, 5]] * len(conversations)
+        if not spec.speculative_config:
+            return fake_run(tokens, wall=2.0, drafts=0, accepted=0)
+        return stepped_run(tokens, [[1, 0] if public else [3]] * len(conversations))
+
+    _served_by(monkeypatch, fake)
+    params = _params(public_sets=["humaneval"], public_set_prompts=2, answer_window=4)
+    section, mismatched, verdict = evaluate.run_online(params, held_out=True)
+    held = section.pop("held_out")
+    online = rules.online_verdict(section, 3.0, mismatched, params, verdict)["online"]
+    served = evaluate.served_headline(online, held, params)
+
+    assert public_ids[0] == [second.messages[0]["content"], third.messages[0]["content"]]
+    he = served["sets"]["humaneval"]
+    assert he["num_prompts"] == 2 and first.id in he["left_out_as_duplicates"]
+    assert he["mean_acceptance_length"] == pytest.approx(1.5)
+    assert served["sets"]["val"]["mean_acceptance_length"] == pytest.approx(4.0)
+    assert served["lowest_set"] == "humaneval"
+    assert served["lowest_mean_acceptance_length"] == pytest.approx(1.5)
+    assert list(served["sets"]) == ["val", "humaneval"]
+    assert served["sets"]["val"]["speedup_by_concurrency"]["1"]["speedup"] == pytest.approx(2.0)
+    assert verdict.num_prompts == 5
 
 
 def test_stage_reports_differing_greedy_outputs(
@@ -505,4 +544,8 @@ def test_evaluate_serves_with_its_own_vllm_args_when_given(
             base | {"evaluate": {"online": True, "max_eval_prompts": 3, "vllm_extra_args": own}}
         )
         evaluate.run_online(params)
-        assert started and all(a == (expected or ["--dtype", "bfloat16"]) for a in started)
+        # the drafter's server also returns vLLM's per-answer counts (served.SPEC_METRICS_ARGS)
+        own_args = [
+            a[: len(a) - 2] if "--per-request-spec-decode-metrics" in a else a for a in started
+        ]
+        assert started and all(a == (expected or ["--dtype", "bfloat16"]) for a in own_args)

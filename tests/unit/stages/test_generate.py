@@ -100,17 +100,26 @@ def test_resume_after_kill(tmp_path: Path, tiny_verifier_dir: Path, monkeypatch)
     assert all(set(r) >= {"reasoning", "content", "finish_reason", "messages"} for r in rows)
 
 
-def test_rows_from_older_code_do_not_survive_a_code_fix(
+def test_a_row_key_changes_with_what_makes_the_row_and_nothing_else(
     tmp_path: Path, tiny_verifier_dir: Path, monkeypatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
     params = _setup(tmp_path, tiny_verifier_dir)
-    key = generate._fingerprint(params)
-    assert generate._fingerprint(params) == key
-    real = generate.stage_deps.code_sha256
-    assert real("generate") == real("generate")
-    monkeypatch.setattr(generate.stage_deps, "code_sha256", lambda stage: real(stage) + "-fixed")
-    assert generate._fingerprint(params) != key  # a new scratch folder: no old row reused
+    row = {"id": "q01", "split": "train", "messages": [{"role": "user", "content": "What?"}]}
+    settings = generate.settings_key(params)
+    key = generate.row_key(settings, row)
+    assert generate.row_key(settings, row | {"split": "val"}) == key  # prepare's, not the row's
+    assert generate.row_key(settings, row | {"id": "q02"}) != key  # the id seeds the request
+    assert generate.row_key(settings, row | {"messages": []}) != key
+    assert generate.row_key(settings, row | {"tools": TOOLS}) != key
+    fetch = {"server_url": "http://x:1", "concurrency": 2, "max_retries": 0}
+    other_fetch = params.generate.model_copy(update=fetch)
+    assert generate.settings_key(params.model_copy(update={"generate": other_fetch})) == settings
+    hotter = params.generate.model_copy(update={"temperature": 0.7})
+    assert generate.settings_key(params.model_copy(update={"generate": hotter})) != settings
+    assert generate.settings_key(params.model_copy(update={"seed": 1})) != settings
+    monkeypatch.setattr(generate, "ROW_VERSION", generate.ROW_VERSION + 1)
+    assert generate.settings_key(params) != settings  # rows made by older code are made again
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather"}}]
@@ -207,6 +216,7 @@ def test_stage_failed_rows_go_to_the_sidecar_and_a_rerun_retries_only_them(
         "finish_reason": "stop",
         "prompt_token_ids": None,  # the fake server sends none; vLLM does
         "completion_token_ids": EMITTED,
+        "row_key": generate.row_key(generate.settings_key(params), rows["q01"]),
     }
     assert rows["q07"]["content"] == ""  # vLLM's null content (nothing after </think>)
     body = server.bodies[0]

@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+import dvc_outputs
 import pytest
 import yaml
 
@@ -211,6 +214,44 @@ def test_a_larger_count_goes_on_from_the_batches_drawn(
     # back to 10: everything from the journal, no sampler
     again, stats = _run(tmp_path, _params(verifier, count=10), monkeypatch, None)
     assert again == small and stats["prompts_per_s"] == 0.0
+
+
+@pytest.mark.parametrize("teammate", ["workspace", "dvc-cache"])
+def test_a_larger_count_goes_on_from_the_published_batches_alone(
+    tmp_path: Path, verifier: Path, monkeypatch: pytest.MonkeyPatch, capsys, teammate: str
+) -> None:
+    """No scratch journal (a teammate's pulled output): the batches drawn are read from
+    data/synthesized/batches.jsonl, sampling goes on from the first one missing, and the output
+    is the one a run from scratch at the larger count writes."""
+    tok = _tokenizer(verifier)
+    run = tmp_path / "run"
+    small, s_stats = _run(run, _params(verifier, count=10), monkeypatch, Scripted(tok))
+    if teammate == "dvc-cache":
+        dvc_outputs.commit(run, "synthesize", ["data/synthesized"])
+        dvc_outputs.pulled_only(run, ["data/synthesized"])
+    else:
+        shutil.rmtree(run / "data/.work")
+    more = Scripted(tok)
+    capsys.readouterr()
+    large, l_stats = _run(run, _params(verifier, count=30), monkeypatch, more)
+    assert large[:10] == small
+    assert len(more.calls) == l_stats["batches"] - s_stats["batches"]  # only the new batches
+    assert more.calls[0][0] == synthesize.batch_seed(0, s_stats["batches"], 1, "user")
+    where = "data/synthesized" + (" as dvc.lock records it" if teammate == "dvc-cache" else "")
+    said = re.search(
+        rf"\[synthesize\] reused (\d+) of 30 rows from {where}[^;\n]*; making (\d+)\n",
+        capsys.readouterr().out,
+    )
+    # the prompts of every batch drawn: the first 10, and the last batch's beyond count 10
+    assert said and int(said[1]) >= 10 and int(said[1]) + int(said[2]) == 30
+    whole, w_stats = _run(
+        tmp_path / "whole", _params(verifier, count=30), monkeypatch, Scripted(tok)
+    )
+    assert large == whole
+    for name in (synthesize.PROMPTS, synthesize.JOURNAL):
+        assert (run / "data/synthesized" / name).read_bytes() == (
+            tmp_path / "whole/data/synthesized" / name
+        ).read_bytes()
 
 
 def test_a_spent_max_samples_ratio_fails_in_one_line(

@@ -1,17 +1,21 @@
 """stages/train.py's torchrun workers rebuild the driver's inputs, a learning-curve fraction
 included: the same rows and the scratch folder the driver publishes from (a worker that trained
-every row elsewhere would leave the fraction's checkpoints empty)."""
+every row elsewhere would leave the fraction's checkpoints empty); 1 process and 2 train the
+same rows, the fraction's, as their loaders recorded them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from train_workspace import build_workspace
 
 from eagle3_pipeline.config.params import load_params
+from eagle3_pipeline.conversations import split
 from eagle3_pipeline.stages import train
 from eagle3_pipeline.training import launch as launch_module
+from eagle3_pipeline.training.data import ids_hash
 from eagle3_pipeline.training.publish import Outputs
 
 
@@ -51,3 +55,27 @@ def test_each_worker_trains_the_drivers_fraction(workspace: Path, monkeypatch) -
 def test_a_worker_with_a_bad_command_line_says_how_to_call_it(capsys) -> None:
     assert train._worker_main(["--worker"]) == 2
     assert "usage: python -m eagle3_pipeline.stages.train --worker" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_one_process_and_two_train_the_fractions_rows(
+    tmp_path: Path, tiny_verifier_dir: Path, monkeypatch
+) -> None:
+    """What each run's loaders held (the metrics file's train_rows, train_ids_hash): the same
+    rows with nproc 1 and 2, and exactly those split.in_fraction selects, fewer than all."""
+    build_workspace(tmp_path, tiny_verifier_dir, n_train=8, n_val=2, train={"epochs": 1})
+    monkeypatch.chdir(tmp_path)
+    params = load_params(tmp_path / "params.yaml").model_copy(deep=True)
+    params.curve.fractions = [0.5]
+    recorded = []
+    for nproc in (1, 2):
+        params.train.nproc = nproc
+        train.run_fraction(params, 0.5)
+        recorded.append(json.loads(Path("metrics/fractions/0.5/train.json").read_text()))
+    tokenized = Path("data/tokenized/train.jsonl").read_text().splitlines()
+    rows = [json.loads(line)["id"] for line in tokenized]
+    inside = [i for i in rows if split.in_fraction(i, 0.5, params.prepare.val_ratio)]
+    assert 0 < len(inside) < len(rows)  # a part: the test can tell it from every row
+    expected = {"train_rows": len(inside), "train_ids_hash": ids_hash(inside)}
+    for record in recorded:
+        assert {k: record[k] for k in expected} == expected

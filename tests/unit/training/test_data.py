@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -101,3 +102,40 @@ def test_check_layer_count_wants_aux_ids_only(inputs: dict[str, Any], tmp_path: 
     data.check_layer_count(tmp_path / "data", AUX_IDS)
     with pytest.raises(ValueError, match="aux ids only"):
         data.check_layer_count(tmp_path / "data", [*AUX_IDS, 8])
+
+
+def test_the_rows_speculators_loads_are_named_by_their_sample_ids(
+    inputs: dict[str, Any], tmp_path: Path
+) -> None:
+    """The `sample_id` column reaches speculators' dataset: its train cut names the rows."""
+    from speculators.train.data import ArrowDataset
+
+    ids = [f"r{i}" for i in range(N_ROWS)]
+    data.write_training_data(tmp_path / "data", inputs["samples"], ids=ids)
+    train = ArrowDataset(
+        max_len=256,
+        datapath=tmp_path / "data",
+        train_ratio=data.train_data_ratio_for(N_TRAIN, N_ROWS),
+        split="train",
+        on_missing="raise",
+    )
+    assert train[0]["input_ids"].tolist() == inputs["samples"][0]["input_ids"]  # read past it
+    assert data.loaded_rows(train) == {"rows": N_TRAIN, "ids_hash": data.ids_hash(ids[:N_TRAIN])}
+    assert data.ids_hash(ids[:N_TRAIN]) == data.ids_hash(ids[:N_TRAIN][::-1])  # a set's hash
+
+
+def test_trained_rows_wants_every_rank_holding_the_same_rows(tmp_path: Path) -> None:
+    def record(*ranks: tuple[int, str]) -> None:
+        rows = [{"rank": r, "rows": 3, "ids_hash": h} for r, h in ranks]
+        (tmp_path / data.TRAINED_ROWS).write_text(json.dumps({"ranks": rows}))
+
+    record((1, "ab"), (0, "ab"))
+    assert data.trained_rows(tmp_path, 2) == {"train_rows": 3, "train_ids_hash": "ab"}
+    with pytest.raises(RuntimeError, match=r"ranks \[0, 1\], expected ranks 0..2"):
+        data.trained_rows(tmp_path, 3)
+    record((0, "ab"), (1, "cd"))
+    with pytest.raises(RuntimeError, match="different training rows"):
+        data.trained_rows(tmp_path, 2)
+    (tmp_path / data.TRAINED_ROWS).unlink()
+    with pytest.raises(RuntimeError, match="recorded no rows"):
+        data.trained_rows(tmp_path, 1)

@@ -34,3 +34,27 @@ def test_plain_config_needs_no_trust() -> None:
     params = load_params(REPO / "profiles/tiny-llama.yaml")
     assert not vf.has_custom_code(TEXT)
     vf.check_remote_code(params, TEXT)
+
+
+def test_content_stamp_is_the_same_on_every_machine_and_sees_new_weights(tmp_path: Path) -> None:
+    """Keys rows across machines: a copy with other mtimes stamps alike; other bytes at either
+    end of a large file, or in a small file, stamp otherwise."""
+    import os
+    import shutil
+
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "config.json").write_text('{"num_hidden_layers": 2}')
+    weights = bytearray(os.urandom(3 * vf.STAMP_ENDS_BYTES))
+    (one / "model.safetensors").write_bytes(weights)
+    two = tmp_path / "two"
+    shutil.copytree(one, two)
+    os.utime(two / "model.safetensors", (0, 0))
+    assert vf.content_stamp(one) == vf.content_stamp(two)
+    assert vf.files_stamp(one) != vf.files_stamp(two)  # why rows are not keyed on mtimes
+    weights[-1] ^= 1
+    (two / "model.safetensors").write_bytes(weights)
+    assert vf.content_stamp(one) != vf.content_stamp(two)
+    shutil.copy(one / "model.safetensors", two / "model.safetensors")
+    (two / "config.json").write_text('{"num_hidden_layers": 3}')
+    assert vf.content_stamp(one) != vf.content_stamp(two)

@@ -1,0 +1,77 @@
+"""The real-model benchmark's record: the served headline, and the 2x run checked against the
+first (growth per data stage, the curve's prediction out of sample)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "scripts"))
+import real_model_benchmark as bench  # noqa: E402
+
+STAGES = {"synthesize": 400.0, "generate": 800.0, "tokenize": 4.0, "extract": 500.0}
+PREDICTED = {"data_multiple": 2.0, "tau": 2.31, "interval": [2.23, 2.39], "train_tokens": 1000}
+
+
+def _run(stage_s: dict, tau: float, served_tau: float, predictions: list | None = None) -> dict:
+    return {
+        "stage_s": stage_s,
+        "offline_tau": tau,
+        "train_tokens": 2000,
+        "served": {"sets": {"val": {"tau": served_tau}}},
+        "curve": {"predictions": predictions or []},
+    }
+
+
+def test_growth_compares_each_data_stage_with_the_first_run() -> None:
+    first = _run(STAGES, 2.08, 1.75, [PREDICTED])
+    second = _run(STAGES | {"generate": 440.0, "extract": 275.0, "synthesize": 220.0}, 2.3, 1.9)
+    got = bench.grown(first, second)
+    stages = got["growth"]["stages"]
+    assert stages["generate"] == {"first_s": 800.0, "grown_s": 440.0, "ratio": 0.55}
+    assert got["growth"]["generate_extract_ratio"] == pytest.approx(715 / 1300)
+    check = got["out_of_sample"]
+    assert check["predicted"] == 2.31 and check["measured_offline"] == 2.3
+    assert check["inside_interval"] is True
+    assert check["served"] == {"first": {"val": {"tau": 1.75}}, "grown": {"val": {"tau": 1.9}}}
+
+
+def test_a_measurement_outside_the_interval_says_so_and_no_prediction_gives_none() -> None:
+    first = _run(STAGES, 2.08, 1.75, [PREDICTED])
+    assert bench.grown(first, _run(STAGES, 2.5, 2.0))["out_of_sample"]["inside_interval"] is False
+    assert bench.grown(_run(STAGES, 2.08, 1.75), _run(STAGES, 2.5, 2.0))["out_of_sample"] is None
+
+
+def test_served_block_is_compact_per_set() -> None:
+    window = {"tokens": [0, 63], "mean_acceptance_length": 2.5}
+    kinds = {k: {"count": 1, "mean_acceptance_length": 2.0} for k in ("looping", "cut", "finished")}
+    got_set = {
+        "source": "pkg",
+        "num_prompts": 2,
+        "max_new_tokens": 128,
+        "mean_acceptance_length": 2.2,
+        "acceptance_per_position": [0.6, 0.4, 0.2],
+        "by_answer_position": [window],
+        "healthy": {"mean_acceptance_length": 2.1},
+        "num_identical": 2,
+        "speedup_by_concurrency": {"1": {"speedup": 1.3, "speedup_spread": 0.1}},
+        **kinds,
+    }
+    ev = {
+        "served": {
+            "num_speculative_tokens": 3,
+            "lowest_set": "val",
+            "lowest_mean_acceptance_length": 2.2,
+            "sets": {"val": got_set},
+        }
+    }
+    got = bench.served(ev)
+    assert got is not None and got["lowest_tau"] == 2.2
+    val = got["sets"]["val"]
+    assert val["by_answer_position"] == {"0-63": 2.5}
+    assert val["speedup"] == {"1": {"median": 1.3, "spread": 0.1}}
+    assert val["looping"] == {"count": 1, "tau": 2.0} and val["healthy_tau"] == 2.1
+    assert bench.served({}) is None
