@@ -280,16 +280,19 @@ def served_detail(
 ) -> dict[str, Any]:
     """served.section of the drafter's full pass, and whether vLLM's per-answer counts add up
     to its Prometheus counters over the same pass (`counts_match_counters`)."""
-    detail = served.section(run.answers(categories), k, window)
-    detail["counts_match_counters"] = _counts_match(run)
-    return detail
+    answers = run.answers(categories)
+    return served.section(answers, k, window) | {
+        "counts_match_counters": _counts_match(answers, run.counters)
+    }
 
 
-def _counts_match(run: RunResult) -> bool:
-    got = served.acceptance(run.answers(), 1)
-    return got["num_drafts"] == int(run.counters.get("num_drafts", -1)) and got[
-        "num_accepted_tokens"
-    ] == int(run.counters.get("num_accepted_tokens", -1))
+def _counts_match(answers: Sequence[served.Answer], counters: dict[str, float]) -> bool:
+    """The answers' verify steps and accepted tokens equal the counters' deltas."""
+    steps = sum(len(a.accepted) for a in answers)
+    accepted = sum(sum(a.accepted) for a in answers)
+    return steps == int(counters.get("num_drafts", -1)) and accepted == int(
+        counters.get("num_accepted_tokens", -1)
+    )
 
 
 def _next_turn(
@@ -340,7 +343,7 @@ def serve_set(
         judged = got if judged is None else lossless.combine(judged, got)
         turn_answers = spec.answers(categories)
         answers += turn_answers
-        counted = counted and _counts_match(spec)
+        counted = counted and _counts_match(turn_answers, spec.counters)
         by_turn.append({"turn": turn + 1, **served.acceptance(turn_answers, k)})
         last = conversations
         turn += 1
