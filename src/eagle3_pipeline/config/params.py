@@ -83,6 +83,10 @@ class SynthesizeParams(Strict):
 
     count: int = Field(0, ge=0)  # prompts to keep; 0: none (prepare reads prepare.prompts only)
     seed: int = 0
+    # Steering: batch i opens its first user turn after system prompt i % len (Magpie's domain
+    # system prompts: "the user asks you to write a Python function" draws coding requests);
+    # "" = the template's own opening. [] = every batch the template's own opening.
+    system_prompts: list[str] = Field(default_factory=list)
     # User turns per conversation; between two, the verifier answers greedily (at most
     # max_answer_tokens): a multi-turn conversation ends with a user turn for generate.
     turns: int = Field(1, ge=1)

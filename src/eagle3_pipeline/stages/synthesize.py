@@ -46,7 +46,7 @@ from eagle3_pipeline.conversations import magpie
 from eagle3_pipeline.conversations import synthesis_filters as filters
 from eagle3_pipeline.conversations.near_duplicates import NearDuplicates
 from eagle3_pipeline.core import atomic, paths, resume
-from eagle3_pipeline.core.errors import DataError
+from eagle3_pipeline.core.errors import DataError, ParamsError
 from eagle3_pipeline.core.progress import Progress, log
 from eagle3_pipeline.harness import published
 from eagle3_pipeline.serving import sampler as samplers
@@ -90,6 +90,7 @@ class Tally:
         self.dropped: Counter[str] = Counter()
         self.at_answer: Counter[str] = Counter()  # of those, drops of an answer between turns
         self.examples: dict[str, list[str]] = {}
+        self.kept_by_steer: Counter[int] = Counter()  # prompts kept per system prompt
         self.sampled = self.user_turns = self.unused = self.batches = 0
 
     @property
@@ -110,6 +111,7 @@ class Tally:
             reason = row["drop"] or self.dedupe.offer("\n".join(users))
             if reason is None:
                 self.kept.append(row["messages"])
+                self.kept_by_steer[entry.get("steer", 0)] += 1
                 continue
             self.dropped[reason] += 1
             self.at_answer[reason] += row.get("at") == "answer"
@@ -202,6 +204,7 @@ class _BatchSampler:
         s = params.prepare.synthesize
         self.params, self.tokenizer, self.shape = params, tokenizer, shape
         self.sampler: samplers.Sampler | None = None
+        self.openings = steered_openings(params, tokenizer, shape)
         self.markers = filters.leak_markers(tokenizer, shape.markers)
         ends = _end_ids(params, tokenizer)
         self.user = samplers.Request(
@@ -238,7 +241,7 @@ class _BatchSampler:
                         r |= {"text": text or "", "at": "answer"}
             alive = [r for r in rows if r["drop"] is None]
             if turn == 1:
-                openings = [self.shape.opening] * len(alive)
+                openings = [self.openings[index % len(self.openings)]] * len(alive)
             else:
                 openings = [magpie.opening(self.tokenizer, r["messages"], kwargs) for r in alive]
             user_turns += len(alive)
@@ -249,7 +252,10 @@ class _BatchSampler:
                     r["messages"].append({"role": "user", "content": text.strip()})
                 else:
                     r["text"] = text or ""
-        return {"batch": index, "rows": rows, "user_turns": user_turns}
+        entry = {"batch": index, "rows": rows, "user_turns": user_turns}
+        if s.system_prompts:  # which system prompt steered it (tally.kept_by_steer)
+            entry["steer"] = index % len(self.openings)
+        return entry
 
     def _call(
         self, prompts: list[str], request: samplers.Request, index: int, turn: int
@@ -270,6 +276,23 @@ class _BatchSampler:
                     self.tokenizer, c.token_ids, request.stop_token_ids, request.stop, c.ended
                 )
         return out
+
+
+def steered_openings(params: Params, tokenizer: Any, shape: magpie.TurnShape) -> list[str]:
+    """The first user turn's opening after each of prepare.synthesize.system_prompts ("" = the
+    template's own); [shape.opening] when there are none. Only the sampled turn is steered:
+    the rows keep the user's words alone, and generate answers them as a user would ask."""
+    prompts = params.prepare.synthesize.system_prompts
+    if any(prompts) and not shape.system_open:
+        raise ParamsError(
+            f"params: prepare.synthesize.system_prompts: {params.verifier.path}'s chat template "
+            "has no system role to steer with: set prepare.synthesize.system_prompts: []"
+        )
+    kwargs = params.generate.chat_template_kwargs
+    system = [{"role": "system", "content": p} for p in prompts]
+    return [
+        magpie.opening(tokenizer, [m], kwargs) if m["content"] else shape.opening for m in system
+    ] or [shape.opening]
 
 
 def _end_ids(params: Params, tokenizer: Any) -> list[int]:
@@ -294,7 +317,10 @@ def settings_key(params: Params) -> str:
     return resume.fingerprint(
         STAGE,
         ROW_VERSION,
-        s.model_dump(exclude=_NOT_FINGERPRINTED),
+        # no system prompts: the same keys as batches drawn before the field existed
+        s.model_dump(
+            exclude=_NOT_FINGERPRINTED | (set() if s.system_prompts else {"system_prompts"})
+        ),
         params.generate.chat_template_kwargs,
         params.vllm.model_dump(exclude={"ready_timeout_s", "gpu_memory_gib"}),
         params.verifier.revision,
@@ -358,6 +384,10 @@ def _stats(
     }
     if shape is not None:
         stats |= {"opening": shape.opening, "stop": [shape.user_close]}
+    if s.system_prompts:  # what each steer kept: a system prompt the verifier ignores shows
+        stats["kept_by_system_prompt"] = [
+            tally.kept_by_steer[i] for i in range(len(s.system_prompts))
+        ]
     return stats
 
 

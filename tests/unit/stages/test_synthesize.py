@@ -21,7 +21,7 @@ from eagle3_pipeline.cli import main
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.conversations import formats
 from eagle3_pipeline.core import readers
-from eagle3_pipeline.core.errors import DataError
+from eagle3_pipeline.core.errors import DataError, ParamsError
 from eagle3_pipeline.serving import sampler as samplers
 from eagle3_pipeline.stages import synthesize
 from eagle3_pipeline.verifier import tiny
@@ -252,6 +252,56 @@ def test_a_larger_count_goes_on_from_the_published_batches_alone(
         assert (run / "data/synthesized" / name).read_bytes() == (
             tmp_path / "whole/data/synthesized" / name
         ).read_bytes()
+
+
+def test_system_prompts_steer_the_first_turn_of_their_batches_and_stay_out_of_the_rows(
+    tmp_path: Path, verifier: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch i opens after system prompt i % 2 ("" = the template's own opening); the rows hold
+    the user's words alone; stats count what each steer kept; the prompts key the batches."""
+    tok = _tokenizer(verifier)
+    sampler = Scripted(tok)
+    steer = ["", "You write Python functions."]
+    rows, stats = _run(
+        tmp_path / "steered",
+        _params(verifier, count=30, system_prompts=steer),
+        monkeypatch,
+        sampler,
+    )
+    plain = "<|im_user|>user<|im_middle|>"
+    coding = "<|im_system|>system<|im_middle|>You write Python functions.<|im_end|>" + plain
+    assert [{*prompts} for _, _, prompts in sampler.calls] == [
+        {plain if i % 2 == 0 else coding} for i in range(stats["batches"])
+    ]
+    assert all([m["role"] for m in r["messages"]] == ["user"] for r in rows)
+    assert sum(stats["kept_by_system_prompt"]) == 30 and min(stats["kept_by_system_prompt"]) > 0
+    batches = readers.read_jsonl(tmp_path / "steered/data/synthesized/batches.jsonl")
+    assert [b["steer"] for b in batches] == [i % 2 for i in range(len(batches))]
+    unsteered = _params(verifier, count=30)
+    assert synthesize.settings_key(unsteered) != synthesize.settings_key(
+        _params(verifier, count=30, system_prompts=steer)
+    )
+    plain_rows, plain_stats = _run(tmp_path / "plain", unsteered, monkeypatch, Scripted(tok))
+    assert "kept_by_system_prompt" not in plain_stats
+    assert "steer" not in readers.read_jsonl(tmp_path / "plain/data/synthesized/batches.jsonl")[0]
+
+
+def test_system_prompts_need_a_template_with_a_system_role(
+    tmp_path: Path, verifier: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from eagle3_pipeline.conversations import magpie
+
+    shape = magpie.derive(_tokenizer(verifier), {})
+    no_system = type(shape)(**{**shape.__dict__, "system_open": ""})
+    params = _params(verifier, system_prompts=["", "You write Python functions."])
+    with pytest.raises(ParamsError, match="prepare.synthesize.system_prompts: .* no system role"):
+        synthesize.steered_openings(params, _tokenizer(verifier), no_system)
+    assert (
+        synthesize.steered_openings(
+            _params(verifier, system_prompts=["", ""]), _tokenizer(verifier), no_system
+        )
+        == [no_system.opening] * 2
+    )
 
 
 def test_a_spent_max_samples_ratio_fails_in_one_line(
