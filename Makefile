@@ -84,8 +84,8 @@ ifneq ($(PROFILE),)
 endif
 
 train: venv profile
-	$(BIN)/eagle3 plan
 	$(BIN)/eagle3 fetch-prompts
+	$(BIN)/eagle3 plan
 	$(PY) scripts/dvc_deps.py
 	$(BIN)/dvc repro
 	@$(PY) -m eagle3_pipeline.report.summary

@@ -231,8 +231,8 @@ def main() -> int:
         t0 = time.monotonic()
         sh("eagle3", "fetch-model", MODEL)
         sh("make", "--no-print-directory", "profile", f"PROFILE={PROFILE}")
+        sh("eagle3", "fetch-prompts")  # before plan, which refuses a set not fetched
         sh("eagle3", "plan")
-        sh("eagle3", "fetch-prompts")
         sh("dvc", "repro")
         wall = time.monotonic() - t0
     record = result(wall, ran_at)
@@ -260,8 +260,8 @@ def grow(no_run: bool) -> int:
             return 1
         t0 = time.monotonic()
         sh("make", "--no-print-directory", "profile", f"PROFILE={GROWN_PROFILE}")
+        sh("eagle3", "fetch-prompts")  # before plan, which refuses a set not fetched
         sh("eagle3", "plan")
-        sh("eagle3", "fetch-prompts")
         sh("dvc", "repro")
         wall = time.monotonic() - t0
     elif first.get("grown"):
