@@ -147,8 +147,8 @@ def worker(args: argparse.Namespace) -> int:
 
             kwargs = {}
         else:
-            from eagle3_pipeline.serving import cpu_patches
-            from eagle3_pipeline.serving.server_entry import patch_cpu_kernel_rebind
+            from eagle3_pipeline.in_vllm import cpu_patches
+            from eagle3_pipeline.in_vllm.server_entry import patch_cpu_kernel_rebind
 
             patch_cpu_kernel_rebind()  # what the stage's engine applies before it starts
             cpu_patches.patch_in_process(params.verifier.path)

@@ -2,8 +2,9 @@
 
 A copy of the session's store run (tests/helpers/pipeline_repo.py, cache included) with only
 that param changed, committed and reproduced by DVC: extract keeps the val samples, train gets
-every other row's hidden states from a real vLLM server that the stage starts, export and
-evaluate run as before. The upstream stages are the store run's (DVC reruns none of them).
+every other row's hidden states from a real vLLM server that the stage starts, export runs as
+before and evaluate offline (serving is the store run's: tests/e2e/test_pipeline_e2e.py). The
+upstream stages are the store run's (DVC reruns none of them).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def online(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     params["families"] = {}  # the store run's branches: not what this mode is about
     params["layers"]["family_aux_layer_ids"] = {}  # nor their layers
     params["curve"]["fractions"] = []  # the curve trains on a store this mode does not write
+    # Served evaluation is the store run's (the drafter's format and export are the same code);
+    # offline evaluation compares what the two modes learned.
+    params["evaluate"]["online"] = False
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     commit(repo, "online mode")
     out = run_in(repo, "dvc", "repro")
@@ -76,7 +80,6 @@ def test_online_drafter_learns_like_the_store_ones(online: tuple[Path, Path, str
     # Same samples, same steps; only the hidden states' numerics differ (fp32 from the server,
     # bf16 from the store). The full profile's figures are in the closing note (within 3%).
     assert abs(b - a) / a < 0.1, (a, b)
-    assert online_eval["online"]["mean_acceptance_length"] > 1.0
 
 
 def test_the_dag_stays_honest(online: tuple[Path, Path, str], tmp_path: Path) -> None:
@@ -84,7 +87,7 @@ def test_the_dag_stays_honest(online: tuple[Path, Path, str], tmp_path: Path) ->
     assert "Data and pipelines are up to date" in run_in(repo, "dvc", "status")
     # Editing training code changes train alone (export and evaluate follow its outputs); the
     # store and everything upstream stay as they are.
-    code = repo / "src/eagle3_pipeline/training/online.py"
+    code = repo / "src/eagle3_pipeline/online_training/source.py"
     original = code.read_text()
     code.write_text(original + "\n# edited\n")
     try:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import torch
+from builders import model_files
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -131,5 +132,4 @@ def save_legacy_flat(model, out: Path, sglang_aux: list[int]) -> Path:
     }
     out.mkdir(parents=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
+    return model_files(out, config=json.dumps(config, indent=2))

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from builders import make_params
+
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import atomic, readers
 
@@ -20,12 +22,11 @@ def prepare_rows(root: Path, n: int) -> list[str]:
 
 
 def vllm_params(verifier: Path, **generate_kw: Any) -> Params:
-    return Params.model_validate(
-        {
-            "seed": 7,
-            "verifier": {"path": str(verifier)},
-            "generate": {"backend": "vllm", "max_new_tokens": 8} | generate_kw,
-        }
+    """Generate's vllm backend on `verifier`, 8 new tokens, `generate_kw` changing the rest."""
+    return make_params(
+        seed=7,
+        verifier={"path": str(verifier)},
+        generate={"backend": "vllm", "max_new_tokens": 8, **generate_kw},
     )
 
 

@@ -16,29 +16,14 @@ from typing import Any
 
 import pytest
 import yaml
+from builders import AQ_MEDAI, KIMI, REPO, model_files
 
 from eagle3_pipeline.cli import main
 from eagle3_pipeline.config.params import load_params
 from eagle3_pipeline.plan import plan
 
-REPO = Path(__file__).resolve().parents[2]
 PROFILE = REPO / "profiles/kimi-k2.5.yaml"
-KIMI = REPO / "tests/fixtures/kimi-k2.5/config.json"
-AQ_MEDAI = REPO / "tests/fixtures/aq-medai-kimi-k25-eagle3/config.json"
 KIMI_ARGS = ["--verifier-config", str(KIMI), "--init-config", str(AQ_MEDAI)]
-
-
-# A small Llama verifier's config.json (no weights): what plan and check read of it.
-LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "num_hidden_layers": 8,
-    "hidden_size": 128,
-    "intermediate_size": 384,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 2048,
-}
 
 
 def char_tokenizer(folder: Path, template: str | None) -> Path:
@@ -86,10 +71,7 @@ def init_config(tmp_path: Path, **changes: Any) -> Path:
             config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = value
         else:
             config[key] = value
-    path = tmp_path / "init" / "config.json"
-    path.parent.mkdir()
-    path.write_text(json.dumps(config))
-    return path
+    return model_files(tmp_path / "init", config=config) / "config.json"
 
 
 def refused(capsys, params: Path, error: type[Exception], expected: str, **paths: Path) -> None:

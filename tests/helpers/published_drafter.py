@@ -178,24 +178,11 @@ def start_of_training(
     root: Path, verifier: Path, init_from: Path, conventions: Any, name: str
 ) -> Any:
     """The drafter speculators' trainer starts from under `conventions` (no step taken)."""
-    from eagle3_pipeline.config.training_params import TrainParams
+    from builders import train_params
+
     from eagle3_pipeline.training.run import TrainSettings, initial_drafter
 
-    train = TrainParams(
-        epochs=1,
-        lr=1e-4,
-        scheduler="none",
-        warmup_ratio=0.0,
-        noise_std=0.0,
-        ttt_steps=K,
-        ttt_step_loss_decay=1.0,
-        max_tokens_per_batch=256,
-        seed=0,
-        num_workers=0,
-        train_lm_head=True,
-        keep_last=None,
-        init_from=str(init_from),
-    )
+    train = train_params(lr=1e-4, ttt_steps=K, train_lm_head=True, init_from=str(init_from))
     settings = TrainSettings(
         train=train,
         data_dir=root / name / "data",

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import psutil
 
+from eagle3_pipeline.in_vllm import entry_points
+
 TAG_VAR = "EAGLE3_TEST_SERVER_TAG"
 
 
@@ -63,7 +65,7 @@ def server_pids(port: int) -> list[int]:
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
-                if b"eagle3_pipeline.serving.server_entry" in argv:
+                if entry_points.SERVER_ENTRY.encode() in argv:
                     entries[int(entry.name)] = argv
     found = {pid for pid, argv in entries.items() if str(port).encode() in argv}
     found |= {pid for pid in entries if _listens(pid, port)}

@@ -194,25 +194,14 @@ def build_run_inputs(root: Path) -> dict[str, Any]:
 def tiny_settings(inputs: dict[str, Any], run_dir: Path, **overrides: Any) -> Any:
     """TrainSettings for one epoch on `build_run_inputs`, data and checkpoints in run_dir;
     `overrides` name train knobs (TrainParams fields) or settings fields."""
+    from builders import train_params
+
     from eagle3_pipeline.config.training_params import TrainParams
     from eagle3_pipeline.training.data import train_data_ratio_for
     from eagle3_pipeline.training.run import TrainSettings
 
     knobs = {k: overrides.pop(k) for k in list(overrides) if k in TrainParams.model_fields}
-    train = TrainParams(
-        epochs=1,
-        lr=3e-3,
-        scheduler="cosine",
-        warmup_ratio=0.1,
-        noise_std=0.0,
-        ttt_steps=3,
-        ttt_step_loss_decay=1.0,
-        max_tokens_per_batch=256,
-        seed=0,
-        num_workers=0,
-        train_lm_head=False,
-        keep_last=None,
-    )
+    train = train_params(scheduler="cosine", warmup_ratio=0.1)
     settings = TrainSettings(
         train=train.model_copy(update=knobs),  # unvalidated: run_training's own checks refuse
         data_dir=run_dir / "data",

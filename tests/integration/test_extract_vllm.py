@@ -50,7 +50,7 @@ def test_connector_is_chosen_by_the_process_that_loads_it(monkeypatch, tmp_path)
     connector, and a driver with CUDA does not force the pinned-memory one on a CPU node."""
     import importlib
 
-    from eagle3_pipeline.serving import cpu_hs_connector as conn_module
+    from eagle3_pipeline.in_vllm import cpu_hs_connector as conn_module
     from eagle3_pipeline.serving.hidden_states import connector_config
 
     configs = []

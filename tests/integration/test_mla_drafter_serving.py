@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import model_files
 from drafter_fixtures import build_drafter, save_legacy_flat
 from safetensors.torch import load_file, save_file
 from verifiers import mla_server_spec
@@ -129,7 +130,7 @@ def _save_flat_fp32(model, out: Path, aux: list[int]) -> Path:
     state = {k.replace("layers.0.", "midlayer."): v for k, v in model.state_dict().items()}
     save_file({k: state[k].contiguous() for k in flat}, out / "model.safetensors")
     config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps(config | {"dtype": "float32"}))
+    model_files(out, config=config | {"dtype": "float32"})
     return out
 
 

@@ -1,6 +1,6 @@
 """vllm_server: a server that never becomes ready is a clear error naming its log file, and no
 server process outlives `serve()`: not on a failed start, and not on SIGTERM to the stage (the
-watchdog with a stand-in for vLLM: tests/unit/serving/test_server_entry.py; SIGKILL of a whole
+watchdog with a stand-in for vLLM: tests/unit/in_vllm/test_server_entry.py; SIGKILL of a whole
 stage: tests/integration/test_generate_vllm.py).
 
 Processes are found by a tag in their environment, so other people's vLLM servers on this machine

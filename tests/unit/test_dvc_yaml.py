@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from builders import model_files
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -101,9 +102,7 @@ def test_make_train_with_a_kimi_profile_leaves_dvc_yaml_as_committed(
 ) -> None:
     """dvc.yaml is the same on every teammate's machine: a path param, e.g. the /models/...
     folder of train.init_from, never becomes one of its deps."""
-    init = tmp_path / "models/AQ-MedAI-Kimi-K25-eagle3"
-    init.mkdir(parents=True)
-    (init / "config.json").write_text("{}")
+    init = model_files(tmp_path / "models/AQ-MedAI-Kimi-K25-eagle3", config={})
     repo = _kimi_repo(tmp_path, init)
     assert dvc_deps.main([], root=repo) == 0
     assert (repo / "dvc.yaml").read_text() == (REPO / "dvc.yaml").read_text()

@@ -16,11 +16,13 @@ ORDER = [
     "config",  # the params schema and what it validates with
     "conversations",  # prompt formats, files, chat template, turns, rows, synthesis
     "verifier",
-    "serving",  # vLLM: servers (parent and child side), chat client, in-process engines
+    "in_vllm",  # what vLLM loads by name: server entry, auth, CPU patches, connectors
+    "serving",  # vLLM from outside: servers, their watch, chat client, in-process engines
     "store",  # the hidden-state store and extraction
     "drafter",
     "cluster",  # the Ray engine
-    "training",  # speculators' trainer, launch, online pools
+    "training",  # speculators' trainer and its launch
+    "online_training",  # the vLLM servers an online run asks, started, checked, pooled
     "evaluation",
     "plan",
     "harness",  # what wraps every stage run

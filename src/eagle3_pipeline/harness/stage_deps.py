@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from eagle3_pipeline.config.params import Params
 
 PKG = Path(__file__).resolve().parents[1]  # src/eagle3_pipeline
+GUESTS = PKG / "in_vllm"  # the code vLLM loads by name (in_vllm/entry_points.py)
+_DOTTED = re.compile(r"eagle3_pipeline(\.[A-Za-z_]\w*)+")
 PARAM_MARK = "# param: "  # marks a path param's dep line, which dvc.yaml never holds
 RECORDS = Path("data/.work/path_params.json")  # {stage: {key: {path, fingerprint}}}, git-ignored
 # Which stages read a file through which path param.
@@ -68,8 +70,27 @@ def imports(path: Path) -> set[str]:
     return found
 
 
+def named(path: Path) -> set[str]:
+    """Modules of the wing vLLM loads by name (in_vllm/) that `path` names in a string
+    (`package.module` or `package.module.Class`, in_vllm/entry_points.py): vLLM imports them
+    in its processes, so a stage that hands vLLM the name depends on the module."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+            continue
+        if not _DOTTED.fullmatch(node.value):
+            continue
+        for name in (node.value, node.value.rpartition(".")[0]):
+            file = module_file(name)
+            if file.is_file() and file.parent == GUESTS and file.name != "__init__.py":
+                found.add(name)
+                break
+    return found
+
+
 def closure(module: str) -> set[Path]:
-    """Every package file `module` imports, transitively (empty __init__ files left out)."""
+    """Every package file `module` imports, or names for vLLM to load, transitively (empty
+    __init__ files left out)."""
     seen: set[str] = set()
     todo = [module]
     while todo:
@@ -77,7 +98,7 @@ def closure(module: str) -> set[Path]:
         if m in seen:
             continue
         seen.add(m)
-        todo.extend(imports(module_file(m)))
+        todo.extend(imports(module_file(m)) | named(module_file(m)))
     return {module_file(m) for m in seen if module_file(m).name != "__init__.py"}
 
 

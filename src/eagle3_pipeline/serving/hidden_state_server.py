@@ -17,11 +17,10 @@ from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.serving.hidden_states import (
     check_layer_ids,
     connector_config,
-    engine_dtype,
     vllm_layer_order,
 )
 from eagle3_pipeline.serving.server import ServerSpec
-from eagle3_pipeline.serving.server_spec import verifier_spec
+from eagle3_pipeline.serving.server_spec import engine_dtype, verifier_spec
 from eagle3_pipeline.verifier import identity as vf
 
 

@@ -23,7 +23,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -31,41 +31,20 @@ from safetensors.torch import load_file
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import DataError, VerifierError
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.serving import cpu_patches
-from eagle3_pipeline.serving.server import server_env
-from eagle3_pipeline.serving.server_entry import patch_cpu_kernel_rebind
-from eagle3_pipeline.serving.server_spec import model_args
+from eagle3_pipeline.in_vllm import entry_points
+from eagle3_pipeline.serving import in_process
+from eagle3_pipeline.serving.server_spec import engine_dtype, model_args
 from eagle3_pipeline.verifier import identity as vf
 
-if TYPE_CHECKING:  # vLLM loads it by module path; named here so the DVC deps list it
-    from eagle3_pipeline.serving import cpu_hs_connector  # noqa: F401
-
 FAILED_SUFFIX = ".failed-"  # cpu_hs_connector.FAILED_SUFFIX, without importing vLLM
-# serving/cpu_hs_connector.py and its platform-resolved name, without importing vLLM.
-CONNECTOR_MODULE = "eagle3_pipeline.serving.cpu_hs_connector"
+# in_vllm/cpu_hs_connector.py and its platform-resolved name, without importing vLLM.
 CONNECTOR_NAME = "HiddenStatesConnector"
-_VLLM_DTYPES = {"float32", "bfloat16", "float16"}
 
 
 def vllm_layer_order(layer_ids: list[int]) -> tuple[list[int], list[int]]:
     """(ids in the order vLLM returns them, index of each of our ids in that order)."""
     ordered = sorted(layer_ids)
     return ordered, [ordered.index(i) for i in layer_ids]
-
-
-def engine_dtype(config: dict[str, Any]) -> str:
-    """The verifier's own dtype, as the hf backend loads it.
-
-    vLLM's "auto" downcasts a float32 checkpoint to bf16; the two backends would then compute
-    different tensors (they must agree: tests/integration/test_extract_vllm.py).
-    """
-    dtype = str(
-        vf.text_config(config).get("dtype")
-        or config.get("dtype")
-        or config.get("torch_dtype")
-        or "auto"
-    )
-    return dtype if dtype in _VLLM_DTYPES else "auto"
 
 
 def connector_config(storage_dir: Path) -> dict[str, Any]:
@@ -76,23 +55,8 @@ def connector_config(storage_dir: Path) -> dict[str, Any]:
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(storage_dir.resolve())},
         "kv_connector": CONNECTOR_NAME,
-        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_connector_module_path": entry_points.HIDDEN_STATES_CONNECTOR,
     }
-
-
-def engine_overrides(extra_args: list[str]) -> dict[str, Any]:
-    """Engine arguments among params.vllm.extra_args (server-only flags are skipped)."""
-    if not extra_args:
-        return {}
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    defaults = vars(parser.parse_known_args([])[0])
-    given, unknown = parser.parse_known_args(extra_args)
-    if unknown:
-        log("extract", f"vllm.extra_args not used by the in-process engine: {unknown}")
-    return {k: v for k, v in vars(given).items() if v != defaults.get(k)}
 
 
 # vLLM 0.32's DeepSeek-V2/V3 model (Kimi-K2.5's text model too) sums `hidden_states + residual`
@@ -136,27 +100,7 @@ def engine_kwargs(params: Params, layer_ids: list[int], storage_dir: Path) -> di
         },
         "kv_transfer_config": connector_config(storage_dir),
     }
-    return defaults | engine_overrides(v.extra_args) | required
-
-
-@contextlib.contextmanager
-def _engine_env() -> Iterator[None]:
-    """In-process engine core, offline, caches in the workspace; only while vLLM starts.
-
-    Restored afterwards so that vLLM servers started later by this process (tests) do not
-    inherit VLLM_ENABLE_V1_MULTIPROCESSING=0.
-    """
-    wanted = server_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    saved = {k: os.environ.get(k) for k, v in wanted.items() if os.environ.get(k) != v}
-    os.environ.update(wanted)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return defaults | in_process.engine_overrides(v.extra_args, "extract") | required
 
 
 def check_prompt_lengths(lengths: dict[str, int], max_model_len: int) -> None:
@@ -209,7 +153,7 @@ class HiddenStateEngine:
     """One vLLM engine; `extract` returns [seq, n_ids, hidden] per prompt, in `layer_ids` order."""
 
     def __init__(self, params: Params, layer_ids: list[int], storage_dir: Path) -> None:
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
 
         self.storage_dir = storage_dir
         self.write_timeout_s = params.vllm.ready_timeout_s
@@ -218,10 +162,9 @@ class HiddenStateEngine:
         self._sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         clear_dir(storage_dir)
         log("extract", f"starting vLLM (extract_hidden_states, layer ids {layer_ids})")
-        patch_cpu_kernel_rebind()
-        cpu_patches.patch_in_process(params.verifier.path)  # MLA on CPU: the rope fix
-        with _engine_env():
-            self.llm = LLM(**engine_kwargs(params, layer_ids, storage_dir))
+        self.llm = in_process.start(
+            engine_kwargs(params, layer_ids, storage_dir), params.verifier.path
+        )
 
     def extract(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """Hidden states of each prompt's tokens, read from the connector's files."""

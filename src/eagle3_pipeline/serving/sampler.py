@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -56,22 +55,15 @@ class VllmSampler:
     """vLLM's in-process engine, started once."""
 
     def __init__(self, params: Params) -> None:
-        from vllm import LLM
-
-        from eagle3_pipeline.serving import cpu_patches
-        from eagle3_pipeline.serving.hidden_states import engine_dtype, engine_overrides
-        from eagle3_pipeline.serving.server_entry import patch_cpu_kernel_rebind
-        from eagle3_pipeline.serving.server_spec import model_args
+        from eagle3_pipeline.serving import in_process
+        from eagle3_pipeline.serving.server_spec import engine_dtype, model_args
 
         path = params.verifier.path
         kwargs = model_args(params, dtype=engine_dtype(vf.read_config(path)))
         kwargs |= {"seed": params.prepare.synthesize.seed}
-        kwargs |= engine_overrides(params.vllm.extra_args)
+        kwargs |= in_process.engine_overrides(params.vllm.extra_args, STAGE)
         log(STAGE, f"starting vLLM in process (dtype {kwargs['dtype']}, {path})")
-        patch_cpu_kernel_rebind()
-        cpu_patches.patch_in_process(path)  # MLA on CPU: the rope fix
-        with _engine_env():
-            self.llm = LLM(**kwargs)
+        self.llm = in_process.start(kwargs, path)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], request: Request, seed: int
@@ -101,25 +93,6 @@ class VllmSampler:
     def close(self) -> None:
         del self.llm
         gc.collect()
-
-
-@contextlib.contextmanager
-def _engine_env() -> Iterator[None]:
-    """In-process engine core, offline, caches in the workspace; only while vLLM starts (as
-    extract's engine: serving/hidden_states.py)."""
-    from eagle3_pipeline.serving.server import server_env
-
-    wanted = server_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    saved = {k: os.environ.get(k) for k, v in wanted.items() if os.environ.get(k) != v}
-    os.environ.update(wanted)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class HfSampler:

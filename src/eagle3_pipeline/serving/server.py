@@ -4,10 +4,10 @@ The server runs in its own process group on loopback (or the address `host` name
 node's own address), logs to a file, and is stopped (SIGTERM, then SIGKILL)
 and reaped when the `with` block ends for any reason, including Ctrl-C and SIGTERM sent to the
 stage. A SIGKILLed stage runs no cleanup at all, so the server is started under a small watchdog
-(`python -m eagle3_pipeline.serving.server_entry --watch -- CMD`) that kills the group when its
+(`python -m eagle3_pipeline.in_vllm.server_entry --watch -- CMD`) that kills the group when its
 stdin, a pipe only the stage holds, closes: no server is ever left behind. The server itself is
-started through `python -m eagle3_pipeline.serving.server_entry --run MODULE`, which applies the
-CPU patches before vLLM's own entry point runs (serving/server_entry.py: the child side). With
+started through `python -m eagle3_pipeline.in_vllm.server_entry --run MODULE`, which applies the
+CPU patches before vLLM's own entry point runs (in_vllm/server_entry.py: the child side). With
 `api_key`, every route but /health wants that key (auth.py); the key reaches the server through
 its environment only, never its command line or log.
 
@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 import requests
@@ -46,10 +46,7 @@ import requests
 from eagle3_pipeline.core import paths
 from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.serving import auth
-
-if TYPE_CHECKING:  # run by module path (ENTRY_MODULE); named here so a stage's DVC deps list it
-    from eagle3_pipeline.serving import server_entry  # noqa: F401
+from eagle3_pipeline.in_vllm import auth, entry_points
 
 
 @dataclass
@@ -120,15 +117,13 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-# The child side, run by module path (`python -m`): serving/server_entry.py.
-ENTRY_MODULE = "eagle3_pipeline.serving.server_entry"
 
 
 def command(spec: ServerSpec, port: int) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
-        ENTRY_MODULE,
+        entry_points.SERVER_ENTRY,
         "--run",
         VLLM_SERVER_MODULE,
         "--model",
@@ -160,13 +155,13 @@ def command(spec: ServerSpec, port: int) -> list[str]:
     if spec.dtype:
         cmd += ["--dtype", spec.dtype]
     if spec.api_key:  # the key itself goes through the environment (_launch)
-        cmd += ["--middleware", auth.MIDDLEWARE]
+        cmd += ["--middleware", entry_points.AUTH_MIDDLEWARE]
     return cmd + list(spec.extra_args)
 
 
 def watched(cmd: list[str]) -> list[str]:
     """`cmd` run under the watchdog (server_entry._watch; see the module docstring)."""
-    return [sys.executable, "-m", ENTRY_MODULE, "--watch", "--", *cmd]
+    return [sys.executable, "-m", entry_points.SERVER_ENTRY, "--watch", "--", *cmd]
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:

@@ -141,7 +141,7 @@ def _served_line(got: dict[str, Any]) -> str:
     return (
         f"mean acceptance length {got['mean_acceptance_length']:.3f} over {got['num_prompts']} "
         f"prompts (per draft position {per_pos}), identical {got['num_identical']} of "
-        f"{got['num_prompts']}; {speedups}"
+        f"{got.get('num_answers', got['num_prompts'])} answers; {speedups}"
     )
 
 

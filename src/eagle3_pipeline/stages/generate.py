@@ -6,7 +6,7 @@ Backends: `hf` (in-process transformers) or `vllm`: OpenAI-compatible servers, s
 on loopback; with `cluster.engine: ray`, one per node, each by a worker on its node) or run by the
 user (`generate.server_url` or a fleet in `generate.server_urls`). Prompts are leased to the
 servers (cluster/leases.py): each to one server, a lost server's prompts to the others. Servers
-started here want a fresh API key per run on every route (serving/auth.py); the user's get
+started here want a fresh API key per run on every route (in_vllm/auth.py); the user's get
 EAGLE3_VLLM_API_KEY. Rows that fail for good go to failed.jsonl with the reason; a rerun
 (`dvc repro -f generate`) retries only those.
 
@@ -37,7 +37,7 @@ from eagle3_pipeline.core import atomic, paths, readers, resume
 from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.core.progress import Progress, log
 from eagle3_pipeline.harness import published
-from eagle3_pipeline.serving import auth
+from eagle3_pipeline.in_vllm import auth
 from eagle3_pipeline.serving import server as vllm_server
 from eagle3_pipeline.serving.chat import API_KEY_VAR, ChatClient, ChatReply
 from eagle3_pipeline.serving.server_spec import SERVED_NAME, verifier_spec

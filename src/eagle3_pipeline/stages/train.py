@@ -1,7 +1,7 @@
 """Stage `train`: the EAGLE-3 drafter, trained by speculators' own trainer on the store.
 
 `train.hidden_states: online` trains without a store: speculators asks a vLLM server of the
-verifier for each row's hidden states while it trains (training.online; the server is started
+verifier for each row's hidden states while it trains (online_training.source; the server is started
 here unless `train.online.endpoint` names one); the val rows extract stored are read from disk.
 
 Checkpoints live in data/.work/train/ (not a DVC output: DVC would copy them before each rerun);
@@ -16,8 +16,8 @@ eagle3_pipeline.stages.train --worker PARAMS_JSON` per process: training/launch.
 process prepares the data, forwards SIGINT/SIGTERM to torchrun and copies the outputs; rank 0
 alone logs. With `cluster.engine: ray` the same workers run under one torchrun agent per
 training node, and online mode there splits the cluster: vLLM (and a Mooncake master) on an
-inference pool, torchrun on the training pool (training/online_pools.py). The online server is
-checked against the store before step one (training/online_checks.py).
+inference pool, torchrun on the training pool (online_training/pools.py). The online server is
+checked against the store before step one (online_training/checks.py).
 """
 
 from __future__ import annotations
@@ -38,8 +38,10 @@ from eagle3_pipeline.core.errors import ParamsError, StoreError
 from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.drafter import mask_token
 from eagle3_pipeline.drafter.conventions import run_conventions
+from eagle3_pipeline.online_training import pools as online_pools
+from eagle3_pipeline.online_training import source as online
+from eagle3_pipeline.online_training.checks import check_and_log, check_server, served_by
 from eagle3_pipeline.store import format as store
-from eagle3_pipeline.training import online, online_pools
 from eagle3_pipeline.training.checkpoints import discard_incomplete, resume_epoch
 from eagle3_pipeline.training.data import (
     TRAINED_ROWS,
@@ -51,7 +53,6 @@ from eagle3_pipeline.training.inputs import TrainInputs, distributed, nodes, run
 from eagle3_pipeline.training.launch import die_with_agent, launch
 from eagle3_pipeline.training.metrics import MetricsSink, open_live, trim_live
 from eagle3_pipeline.training.online_backend import mooncake_env
-from eagle3_pipeline.training.online_checks import check_and_log, check_server, served_by
 from eagle3_pipeline.training.publish import Outputs, publish
 from eagle3_pipeline.training.run import TrainSettings, run_training, untrained_val
 from eagle3_pipeline.verifier import identity as vf
@@ -114,7 +115,7 @@ def _train_online(params: Params, inputs: TrainInputs, worker_args: list[str]) -
     layer_ids = [*inputs.aux, inputs.final]
     if online_pools.uses_pools(params):
         # Across nodes: vLLM (and the Mooncake master) on the inference pool, torchrun on the
-        # training pool (training/online_pools.py).
+        # training pool (online_training/pools.py).
         with online_pools.inference_pool(params, layer_ids, inputs.work) as pools:
             flags = check_and_log(params, inputs, pools.source, len(pools.sources))
             for other in pools.sources[1:]:  # every server, not only the one params name

@@ -63,7 +63,7 @@ def run_settings(
     online_api_key: str | None = None,
 ) -> TrainSettings:
     """The run's TrainSettings; `online_flags` and `online_api_key`: online mode's
-    (training/online.py)."""
+    (online_training/source.py)."""
     found = TrainSettings.from_params(
         params.train,
         data_dir=inputs.data_dir,

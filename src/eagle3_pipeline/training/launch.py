@@ -5,7 +5,7 @@ signals forwarded, no orphans left behind.
 PARAMS_JSON` per process (MODULE: the stage's, whose worker entry builds the run again from those
 params). With `cluster.engine: ray` the workers run under one torchrun agent per training node
 (cluster/torchrun.py: c10d rendezvous; a lost node relaunches from the last complete epoch), on
-the training pool when online training has one (training/online_pools.py), and which node did
+the training pool when online training has one (online_training/pools.py), and which node did
 what goes into the stage's provenance.
 """
 
@@ -16,7 +16,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import atomic
@@ -26,8 +26,19 @@ from eagle3_pipeline.training.inputs import TrainInputs, nodes
 from eagle3_pipeline.training.metrics import trim_live
 from eagle3_pipeline.training.run import TrainingInterrupted
 
-if TYPE_CHECKING:
-    from eagle3_pipeline.training.online_pools import Pools
+
+class ServerPools(Protocol):
+    """What a launch across nodes needs of online training's server pools
+    (online_training/pools.py): which nodes serve, each trainer's environment, lost servers."""
+
+    inference: list[Any]
+
+    def trainer_env(self, node: Any) -> dict[str, str]: ...
+
+    def newly_lost(self) -> list[str]: ...
+
+    def served(self) -> dict[str, Any]: ...
+
 
 STAGE = "train"
 
@@ -89,7 +100,7 @@ def launch(
     params: Params,
     inputs: TrainInputs,
     module: str,
-    pools: Pools | None = None,
+    pools: ServerPools | None = None,
     worker_args: list[str] | None = None,
 ) -> None:
     """One worker (`python -m MODULE --worker PARAMS_JSON [WORKER_ARGS]`) per process under
@@ -107,7 +118,7 @@ def launch(
 
 
 def _launch_on_cluster(
-    params: Params, inputs: TrainInputs, module: str, worker: list[str], pools: Pools | None
+    params: Params, inputs: TrainInputs, module: str, worker: list[str], pools: ServerPools | None
 ) -> None:
     """One torchrun agent per training node (cluster.torchrun), on the training pool when
     online training has one; record who did what."""

@@ -94,8 +94,8 @@ class TrainSettings:
     fc_norm: bool = False
     norm_output: bool = True
     draft_layer_config: dict[str, Any] | None = None
-    # Online mode: speculators flags (training.online.speculators_flags) merged over the store's,
-    # and the key of the server they name (sent by speculators' client; never shown).
+    # Online mode: speculators flags (online_training.source.speculators_flags) merged over the
+    # store's, and the key of the server they name (sent by speculators' client; never shown).
     online_flags: dict[str, Any] | None = None
     online_api_key: str | None = field(default=None, repr=False)
     # For P-EAGLE and DFlash (train.family), the resolved mask token.

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.core import atomic
+from eagle3_pipeline.core import atomic, environment
 from eagle3_pipeline.drafter.flex_kernel import flex_attention_main_kernel
 from eagle3_pipeline.training.data import TRAINED_ROWS, loaded_rows
 
@@ -142,15 +142,8 @@ def own_thread_env() -> Iterator[None]:
     """Keep speculators' thread limits inside the run: `create_train_val_loaders` sets
     OMP/MKL/OPENBLAS_NUM_THREADS=1 in the process that calls it, which an in-process caller
     would pass on to every process it starts after (one thread: other float sums)."""
-    before = {k: os.environ.get(k) for k in THREAD_VARS}
-    try:
+    with environment.restored(THREAD_VARS):
         yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @contextlib.contextmanager

@@ -5,21 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
+from builders import PARAMS_YAML, params_file
 
 from eagle3_pipeline.config.params import load_params
 from eagle3_pipeline.config.training_params import ClusterParams
 from eagle3_pipeline.core.errors import ParamsError
-
-REPO = Path(__file__).resolve().parents[3]
-
-
-def _params(tmp_path: Path, cluster: dict) -> Path:
-    raw = yaml.safe_load((REPO / "params.yaml").read_text())
-    raw["cluster"] = cluster
-    path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
 
 
 def test_default_is_local_on_one_node() -> None:
@@ -44,6 +34,6 @@ def test_train_nodes_default_to_nodes() -> None:
 )
 def test_bad_cluster_params_one_line(tmp_path: Path, cluster: dict, message: str) -> None:
     with pytest.raises(ParamsError) as err:
-        load_params(_params(tmp_path, cluster))
+        load_params(params_file(tmp_path / "params.yaml", PARAMS_YAML, cluster=cluster))
     assert message in str(err.value)
     assert "\n" not in str(err.value)

@@ -6,23 +6,18 @@ import json
 from pathlib import Path
 
 import pytest
+from builders import AQ_MEDAI as AQ_MEDAI_FILE
+from builders import make_params, model_files, pretrained
 
-from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import CheckpointError
 from eagle3_pipeline.drafter import conventions as conv
 
-REPO = Path(__file__).resolve().parents[3]
-AQ_MEDAI = json.loads((REPO / "tests/fixtures/aq-medai-kimi-k25-eagle3/config.json").read_text())
-
-
-def _params(**train: object) -> Params:
-    return Params.model_validate(
-        {
-            "verifier": {"source": "pretrained", "path": "v"},
-            "layers": {"aux_layer_ids": [3, 31, 59], "final_layer_id": 61},
-            "train": train,
-        }
-    )
+AQ_MEDAI = json.loads(AQ_MEDAI_FILE.read_text())
+# A Kimi-K2.5-deep verifier (61 layers) read at vLLM's ids [3, 31, 59].
+KIMI_LAYERS = {
+    "verifier": pretrained("v"),
+    "layers": {"aux_layer_ids": [3, 31, 59], "final_layer_id": 61},
+}
 
 
 @pytest.mark.parametrize("norm_output", [None, True])
@@ -57,33 +52,41 @@ def test_speculators_config_as_written() -> None:
 
 
 def test_no_init_is_speculators_defaults_and_params_win() -> None:
-    run = conv.resolve(_params(), 61, None)
+    run = conv.resolve(make_params(KIMI_LAYERS), 61, None)
     assert run.flags == conv.TRAINER_DEFAULT_FLAGS and run.layer_config is None
-    run = conv.resolve(_params(flags={"norm_before_fc": False}), 61, None)
+    run = conv.resolve(
+        make_params(KIMI_LAYERS, train={"flags": {"norm_before_fc": False}}), 61, None
+    )
     assert not run.flags["norm_before_fc"] and run.sources["norm_before_fc"] == "params"
 
 
 def test_init_adopts_and_refuses(tmp_path: Path) -> None:
     init = (AQ_MEDAI, tmp_path / "config.json")
-    run = conv.resolve(_params(), 61, init)
+    run = conv.resolve(make_params(KIMI_LAYERS), 61, init)
     assert run.flags == dict.fromkeys(conv.FLAGS, False) and run.layer_config["head_dim"] == 128
     with pytest.raises(CheckpointError, match="train.flags.norm_output true vs the checkpoint's"):
-        conv.resolve(_params(flags={"norm_output": True}), 61, init)
-    allowed = conv.resolve(_params(flags={"norm_output": True}, init_mismatch="allow"), 61, init)
+        conv.resolve(make_params(KIMI_LAYERS, train={"flags": {"norm_output": True}}), 61, init)
+    allowed = conv.resolve(
+        make_params(KIMI_LAYERS, train={"flags": {"norm_output": True}, "init_mismatch": "allow"}),
+        61,
+        init,
+    )
     assert allowed.flags["norm_output"] and len(allowed.retrained) == 1
 
 
 def test_both_norms_before_fc_refused() -> None:
     with pytest.raises(CheckpointError, match="norm_before_fc and fc_norm both true"):
-        conv.resolve(_params(flags={"fc_norm": True}), 61, None)
+        conv.resolve(make_params(KIMI_LAYERS, train={"flags": {"fc_norm": True}}), 61, None)
 
 
 def test_run_conventions_reads_init_from(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps(AQ_MEDAI))
-    run = conv.run_conventions(_params(init_from=str(tmp_path)), 61)
+    model_files(tmp_path, config=AQ_MEDAI)
+    run = conv.run_conventions(make_params(KIMI_LAYERS, train={"init_from": str(tmp_path)}), 61)
     assert run.init_file == tmp_path / "config.json" and run.init.origin == "specforge"
     with pytest.raises(CheckpointError, match="not found"):
-        conv.run_conventions(_params(init_from=str(tmp_path / "missing")), 61)
+        conv.run_conventions(
+            make_params(KIMI_LAYERS, train={"init_from": str(tmp_path / "missing")}), 61
+        )
 
 
 def test_evaluate_reads_a_specforge_drafter_as_published(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from builders import model_files
 from drafter_fixtures import build_drafter, build_llama_verifier
 from safetensors.torch import load_file
 
@@ -192,7 +193,7 @@ def test_sglang_refuses_what_it_cannot_compute(converted: dict[str, Any], tmp_pa
 
 
 def test_unknown_layouts_are_refused(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    model_files(tmp_path, config={"architectures": ["LlamaForCausalLM"]})
     from safetensors.torch import save_file
 
     save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))

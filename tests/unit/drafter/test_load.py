@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import model_files
 from drafter_fixtures import build_drafter, build_llama_verifier
 from offline_hub import MESSAGE, UNREACHABLE_HUB_ID, forbid_hub
 
@@ -26,7 +27,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     model.save_pretrained(out)
     config = json.loads((out / "config.json").read_text())
     config["speculators_config"]["verifier"]["name_or_path"] = UNREACHABLE_HUB_ID
-    (out / "config.json").write_text(json.dumps(config))
+    model_files(out, config=config)
     return verifier, out
 
 

@@ -276,3 +276,36 @@ def test_no_rounds_serves_one_server_at_a_time_and_gives_no_speedup(
     assert section["speedup_note"].startswith("no figure: not measured")
     assert section["mean_acceptance_length"] == pytest.approx(1 + 2 / 2) and verdict.passed
     assert "by_concurrency" not in section  # nothing to pair at 8 either
+
+
+def test_a_multi_turn_set_asks_its_second_turn_after_the_baseline_answer(tmp_path: Path) -> None:
+    """MT-Bench's shape: each prompt's second turn goes to both servers after the baseline's
+    first answer; both turns' answers count (by_turn apart), and losslessness is judged per
+    answer, so two prompts give four answers to compare."""
+    later = [["And in French?"], ["Shorter, please."]]
+    held = oe.HeldOutSet(
+        "mt", "pkg: data", ["m0", "m1"], CONVERSATIONS[:2], ["writing"] * 2, later_turns=later
+    )
+    asked: list[list] = []
+
+    def fake(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
+        if conversations[0][0] == CONVERSATIONS[0][0] and settings.top_logprobs:
+            asked.append(conversations)
+        tokens = [[1, 2, 3, 4]] * len(conversations)
+        if not spec.speculative_config:
+            return fake_run(tokens, wall=2.0, drafts=0, accepted=0)
+        second = len(conversations[0]) > 1
+        return stepped_run(tokens, [[1] if second else [3]] * len(conversations))
+
+    base = ServerSpec(model="v", log_file=tmp_path / "x.log")
+    section, _, verdict = oe.evaluate(
+        base, "d", CONVERSATIONS[2:4], SETTINGS, tmp_path, fake, held_out=[held], answer_window=2
+    )
+    got = section["held_out"]["mt"]
+    turn_two = [c for c in asked if len(c[0]) == 3]
+    assert turn_two and turn_two[0][0][1] == {"role": "assistant", "content": "[1, 2, 3, 4]"}
+    assert [c[0][2]["content"] for c in turn_two[:1]] == ["And in French?"]
+    assert got["num_prompts"] == 2 and got["num_answers"] == 4 and got["num_identical"] == 4
+    assert [t["mean_acceptance_length"] for t in got["by_turn"]] == pytest.approx([4.0, 2.0])
+    assert got["mean_acceptance_length"] == pytest.approx(3.0)
+    assert verdict.num_prompts == 6  # two val prompts, four answers of the set

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from builders import model_files
 
 from eagle3_pipeline.core import paths
 from eagle3_pipeline.harness import stage_lock
@@ -99,8 +100,7 @@ def _leftovers(root: Path) -> dict[str, list[Path]]:
         for f in files:
             f.parent.mkdir(parents=True, exist_ok=True)
             if f.name.endswith("old-4242") or f.name.startswith(".verifier"):
-                f.mkdir()
-                (f / "config.json").write_text("{}")
+                model_files(f, config={})
             else:
                 f.write_text("x")
     return made

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from builders import fake_verifier, model_files
 from plan_cases import AQ_MEDAI, KIMI, KIMI_ARGS, PROFILE, init_config, profile, refused
 
 from eagle3_pipeline.cli import main
@@ -129,28 +130,24 @@ def test_own_flat_export_ids_read_as_written(tmp_path: Path) -> None:
     ours = init_config(tmp_path, aux=[3, 31, 59], eagle3_pipeline={"layer_convention": "vllm"})
     p = plan.make_plan(load_params(PROFILE), PROFILE, KIMI, ours, tokens=1)
     assert p.conventions.init.vllm_aux_layer_ids == [3, 31, 59]
-    sglang = tmp_path / "sglang"
-    sglang.mkdir()
-    (sglang / "config.json").write_text(
-        json.dumps(
-            json.loads(ours.read_text())
-            | {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}}
-            | {"eagle3_pipeline": {"layer_convention": "sglang"}}
-        )
+    sglang = model_files(
+        tmp_path / "sglang",
+        config=json.loads(ours.read_text())
+        | {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}}
+        | {"eagle3_pipeline": {"layer_convention": "sglang"}},
     )
     p = plan.make_plan(load_params(PROFILE), PROFILE, KIMI, sglang, tokens=1)
     assert p.conventions.init.vllm_aux_layer_ids == [3, 31, 59]
 
 
 def test_reasoning_parser_needs_think_tokens(tmp_path: Path, capsys) -> None:
-    verifier = tmp_path / "Kimi-K2.5"
-    verifier.mkdir()
-    (verifier / "config.json").write_text(KIMI.read_text())
     decoder = {"163584": {"content": "[BOS]"}, "163585": {"content": "[EOS]"}}
-    (verifier / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": decoder}))
+    verifier = fake_verifier(
+        tmp_path / "Kimi-K2.5", KIMI, tokenizer_config={"added_tokens_decoder": decoder}
+    )
     refused(capsys, PROFILE, VerifierError, "no <think> </think> token", verifier=verifier)
     decoder["163606"] = {"content": "<think>"}
     decoder["163607"] = {"content": "</think>"}
-    (verifier / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": decoder}))
+    model_files(verifier, tokenizer_config={"added_tokens_decoder": decoder})
     p = plan.make_plan(load_params(PROFILE), PROFILE, verifier, AQ_MEDAI, tokens=1)
     assert p.tokenizer == "tokenizer_config.json: <think>/</think> present"

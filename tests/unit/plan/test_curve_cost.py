@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import fake_verifier
 from plan_cases import KIMI, PROFILE, kimi_plan
 
 from eagle3_pipeline.config.params import Params
@@ -200,8 +201,7 @@ def test_a_curve_without_its_verifier_is_unknown_provenance(
 
 
 def test_the_verifiers_own_config_is_compared_by_its_hash(tmp_path: Path) -> None:
-    own = tmp_path / "config.json"
-    own.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 8}))
+    own = fake_verifier(tmp_path, {"model_type": "llama", "num_hidden_layers": 8}) / "config.json"
     planned = curve_cost.PlannedVerifier("data/verifier", own, True, {"model_type": "llama"})
     ours = hashlib.sha256(own.read_bytes()).hexdigest()
     record = {"name_or_path": "data/verifier", "config_sha256": ours, "model_type": "llama"}

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from builders import fake_verifier
 from plan_cases import KIMI_ARGS, PROFILE, REPO, kimi_plan
 
 from eagle3_pipeline.cli import main
@@ -58,10 +58,9 @@ def test_tiny_verifier_built_from_older_params_is_planned_from_the_new_ones(
     """The verifier stage rebuilds it: an older 4-layer build must not refuse id 5 of 8."""
     params = load_params(REPO / "profiles/tiny-llama.yaml").model_copy(deep=True)
     params.verifier.path = str(tmp_path)
-    (tmp_path / "config.json").write_text(
-        json.dumps(
-            {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 2048}
-        )
+    fake_verifier(
+        tmp_path,
+        {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 2048},
     )
     p = plan.make_plan(params, "profiles/tiny-llama.yaml", tokens=10_000)
     assert (p.verifier.num_layers, p.aux_layer_ids, p.final_layer_id) == (8, [2, 4, 5], 8)

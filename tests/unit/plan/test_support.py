@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import fake_verifier
 from plan_cases import KIMI, PROFILE, REPO, profile, refused
 
 from eagle3_pipeline.config.params import Params, load_params
@@ -60,9 +61,7 @@ def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def _verifier(tmp_path: Path, config: dict[str, Any], **changes: Any) -> tuple[Params, Path]:
     """profiles/pretrained.yaml pointed at a folder holding `config` (no weights, no
     tokenizer), with `changes` ("extract.backend": "hf", ...) applied."""
-    folder = tmp_path / config["architectures"][0]
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(config))
+    folder = fake_verifier(tmp_path / config["architectures"][0], config)
     params = load_params(PRETRAINED).model_copy(deep=True)
     params.verifier.path = str(folder)
     for key, value in changes.items():
@@ -152,9 +151,7 @@ def test_plan_refuses_the_verifier_before_any_estimate(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`eagle3 plan` exits 2 with the one line, for a Gemma-2 verifier under the Kimi profile."""
-    folder = tmp_path / "gemma2"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(GEMMA2 | {"vocab_size": 163840}))
+    folder = fake_verifier(tmp_path / "gemma2", GEMMA2 | {"vocab_size": 163840})
     params = profile(tmp_path, lambda p: p["verifier"].update(trust_remote_code=False))
     refused(
         capsys,

@@ -4,14 +4,14 @@ hours later); a plan from config files lists it instead."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
-from plan_cases import LLAMA, REPO, char_tokenizer
+from builders import LLAMA, REPO, TINY_LLAMA, fake_verifier, params_file, pretrained
+from plan_cases import char_tokenizer
 
 from eagle3_pipeline.cli import main
 from eagle3_pipeline.config.params import load_params
@@ -27,13 +27,13 @@ def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     a complete pretrained folder `v` (config, weights, tokenizer, template)."""
     shutil.copy(REPO / "dvc.yaml", tmp_path / "dvc.yaml")
     shutil.copytree(REPO / "tests/fixtures/prompts", tmp_path / "data/prompts")
-    folder = char_tokenizer(tmp_path / "v", TEMPLATE)
-    (folder / "config.json").write_text(json.dumps(LLAMA))
-    (folder / "model.safetensors").write_bytes(b"")
-    raw = yaml.safe_load((REPO / "profiles/tiny-llama.yaml").read_text())
-    raw["verifier"].update(source="pretrained", path="v")
-    raw["generate"]["reasoning_parser"] = None
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    fake_verifier(char_tokenizer(tmp_path / "v", TEMPLATE), LLAMA, **{"model.safetensors": b""})
+    params_file(
+        tmp_path / "params.yaml",
+        TINY_LLAMA,
+        verifier=pretrained("v"),
+        generate={"reasoning_parser": None},
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(support, "CACHE", tmp_path / "vllm_classes.json")
     return tmp_path

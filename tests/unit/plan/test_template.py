@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-from plan_cases import LLAMA, REPO, char_tokenizer
+from builders import LLAMA, TINY_LLAMA, fake_verifier, make_params, model_files, pretrained
+from plan_cases import char_tokenizer
 
 from eagle3_pipeline.cli import main
-from eagle3_pipeline.config.params import Params, load_params
 from eagle3_pipeline.core.errors import VerifierError
 from eagle3_pipeline.plan import support, template
 
@@ -26,32 +26,28 @@ STRICT = (
 DROPS_CONTENT = "{%- for m in messages -%}<{{ m.role }}>{%- endfor -%}"
 
 
-def _params(folder: Path, **kwargs: object) -> Params:
-    params = load_params(REPO / "profiles/tiny-llama.yaml").model_copy(deep=True)
-    params.verifier.source, params.verifier.path = "pretrained", str(folder)
-    params.generate.chat_template_kwargs = kwargs or {"thinking": True}
-    return params
-
-
 def test_template_renders_with_the_kwargs(tmp_path: Path) -> None:
     folder = char_tokenizer(tmp_path / "v", STRICT)
-    t = template.check_chat_template(_params(folder), folder, required=True)
+    params = make_params(TINY_LLAMA, verifier=pretrained(folder))
+    t = template.check_chat_template(params, folder, required=True)
     assert (t.source, t.rendered) == ("chat_template.jinja", True)
     assert t.record() == {"source": "chat_template.jinja", "rendered": True}
 
 
 def test_template_in_tokenizer_config_is_read_too(tmp_path: Path) -> None:
     folder = char_tokenizer(tmp_path / "v", None)
+    params = make_params(TINY_LLAMA, verifier=pretrained(folder))
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps(cfg | {"chat_template": TEMPLATE}))
-    t = template.check_chat_template(_params(folder), folder, required=True)
+    model_files(folder, tokenizer_config=cfg | {"chat_template": TEMPLATE})
+    t = template.check_chat_template(params, folder, required=True)
     assert (t.source, t.rendered) == ("tokenizer_config.json", True)
 
 
 def test_no_template_is_one_line(tmp_path: Path) -> None:
     folder = char_tokenizer(tmp_path / "v", None)
+    params = make_params(TINY_LLAMA, verifier=pretrained(folder))
     with pytest.raises(VerifierError, match="no chat template") as err:
-        template.check_chat_template(_params(folder), folder, required=False)
+        template.check_chat_template(params, folder, required=False)
     assert "\n" not in str(err.value) and "chat_template.jinja" in str(err.value)
 
 
@@ -59,16 +55,19 @@ def test_processor_template_file_alone_is_named(tmp_path: Path) -> None:
     """chat_template.json is a processor's file: AutoTokenizer, as the stages load the
     tokenizer, leaves chat_template unset."""
     folder = char_tokenizer(tmp_path / "v", None)
+    params = make_params(TINY_LLAMA, verifier=pretrained(folder))
     (folder / "chat_template.json").write_text(json.dumps({"chat_template": TEMPLATE}))
     with pytest.raises(VerifierError, match="in a processor's file") as err:
-        template.check_chat_template(_params(folder), folder, required=False)
+        template.check_chat_template(params, folder, required=False)
     assert "chat_template.jinja" in str(err.value)
 
 
 def test_template_failing_with_the_kwargs_names_them(tmp_path: Path) -> None:
     folder = char_tokenizer(tmp_path / "v", STRICT)
+    kwargs = {"chat_template_kwargs": {"thinking": "yes"}}
+    params = make_params(TINY_LLAMA, verifier=pretrained(folder), generate=kwargs)
     with pytest.raises(VerifierError) as err:
-        template.check_chat_template(_params(folder, thinking="yes"), folder, required=False)
+        template.check_chat_template(params, folder, required=False)
     line = str(err.value)
     assert "\n" not in line and line.startswith(f"{folder}/chat_template.jinja: ")
     assert "{'thinking': 'yes'}" in line and "thinking must be true or false" in line
@@ -76,21 +75,24 @@ def test_template_failing_with_the_kwargs_names_them(tmp_path: Path) -> None:
 
 def test_template_dropping_the_users_message_is_refused(tmp_path: Path) -> None:
     folder = char_tokenizer(tmp_path / "v", DROPS_CONTENT)
+    params = make_params(TINY_LLAMA, verifier=pretrained(folder))
     with pytest.raises(VerifierError, match="drops the user's message"):
-        template.check_chat_template(_params(folder), folder, required=False)
+        template.check_chat_template(params, folder, required=False)
 
 
 def test_no_tokenizer_is_a_note_for_plan_and_an_error_for_the_check_stage(tmp_path: Path) -> None:
     folder = tmp_path / "config-only"
     folder.mkdir()
-    t = template.check_chat_template(_params(folder), folder, required=False)
+    params = make_params(TINY_LLAMA, verifier=pretrained(folder))
+    t = template.check_chat_template(params, folder, required=False)
     assert not t.rendered and t.describe().endswith("not checked")
     with pytest.raises(VerifierError, match="the tokenizer does not load"):
-        template.check_chat_template(_params(folder), folder, required=True)
+        template.check_chat_template(params, folder, required=True)
 
 
 def test_tiny_verifier_not_built_uses_the_projects_template() -> None:
-    t = template.check_chat_template(_params(Path("unused")), None, required=True)
+    params = make_params(TINY_LLAMA, verifier=pretrained(Path("unused")))
+    t = template.check_chat_template(params, None, required=True)
     assert t.record() == {"source": "the project's own (verifier/tiny.py)", "rendered": False}
 
 
@@ -100,8 +102,8 @@ def test_plan_refuses_a_verifier_without_template(
     """Where it was a remark in the token line, it is now one error line and exit 2."""
     monkeypatch.setattr(support, "CACHE", tmp_path / "vllm_classes.json")
     folder = char_tokenizer(tmp_path / "v", None)
-    (folder / "config.json").write_text(json.dumps(LLAMA))
-    argv = ["plan", "--params", str(REPO / "profiles/tiny-llama.yaml")]
+    fake_verifier(folder, LLAMA)
+    argv = ["plan", "--params", str(TINY_LLAMA)]
     assert main([*argv, "--verifier-config", str(folder), "--tokens", "1000"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{folder}: no chat template" in err

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from builders import fake_verifier
 from plan_cases import AQ_MEDAI, KIMI, PROFILE, REPO
 
 from eagle3_pipeline.cli import main
@@ -60,9 +61,7 @@ def test_shipped_configs_are_the_fixtures() -> None:
 
 
 def test_a_folder_with_its_config_is_read_not_the_shipped_one(tmp_path: Path, monkeypatch) -> None:
-    folder = tmp_path / "Kimi-K2.5"
-    folder.mkdir()
-    (folder / "config.json").write_text(KIMI.read_text())
+    folder = fake_verifier(tmp_path / "Kimi-K2.5", KIMI)
     params = load_params(PROFILE)
     params.verifier.path = str(folder)
     monkeypatch.chdir(REPO)
@@ -89,7 +88,10 @@ def test_every_profile_answers_gpus_disk_and_hours(profile: Path, monkeypatch) -
         p = plan.make_plan(load_params(rel), rel)
     except PipelineError as exc:
         assert profile.stem in ("pretrained", "smollm2", "smollm2-2x")
-        assert f"config.json: not found (verifier.path in {rel})" in str(exc)
+        # no model fetched (make real-model), or its public prompt sets not (eagle3 fetch-prompts)
+        assert f"config.json: not found (verifier.path in {rel})" in str(exc) or (
+            "(evaluate.public_sets) not fetched: run `eagle3 fetch-prompts`" in str(exc)
+        )
         return
     text = report.render(p)
     for label in ("gpus", "disk", "hours", "rates"):

@@ -8,10 +8,10 @@ load that revision, with remote code, text-only.
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import pytest
+from builders import fake_verifier, make_params, pretrained
 from online_runs import fake_run, write_val_prompts
 
 from eagle3_pipeline.config.params import Params
@@ -26,11 +26,17 @@ REVISION = "0123abcd"
 PINNED_FLAGS = ["--trust-remote-code", "--language-model-only", "--revision", REVISION]
 
 
+# What every test here pins besides the verifier: its layers, the engine, two eval prompts.
+PINNED = {
+    "layers": {"aux_layer_ids": [1, 2, 3], "final_layer_id": 4},
+    "vllm": {"max_model_len": 512, "enforce_eager": False},
+    "evaluate": {"online": True, "max_eval_prompts": 2},
+}
+
+
 @pytest.fixture
 def verifier(tmp_path: Path) -> Path:
     """Kimi-K2.5's shape: the text model nested under a wrapper with auto_map."""
-    path = tmp_path / "verifier"
-    path.mkdir()
     config = {
         "model_type": "kimi_k25",
         "auto_map": {"AutoConfig": "configuration_kimi.KimiConfig"},
@@ -41,23 +47,14 @@ def verifier(tmp_path: Path) -> Path:
             "vocab_size": 300,
         },
     }
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    return fake_verifier(tmp_path / "verifier", config)
 
 
-def _params(verifier: Path, **vllm: object) -> Params:
-    return Params.model_validate(
-        {
-            "verifier": {
-                "source": "pretrained",
-                "path": str(verifier),
-                "revision": REVISION,
-                "trust_remote_code": True,
-            },
-            "layers": {"aux_layer_ids": [1, 2, 3], "final_layer_id": 4},
-            "vllm": {"max_model_len": 512, "enforce_eager": False, **vllm},
-            "evaluate": {"online": True, "max_eval_prompts": 2},
-        }
+def _pinned(verifier: Path, **vllm: object) -> Params:
+    return make_params(
+        PINNED,
+        verifier=pretrained(verifier, revision=REVISION, trust_remote_code=True),
+        vllm=vllm,
     )
 
 
@@ -73,8 +70,8 @@ def _carries_pinned_verifier(spec: ServerSpec, verifier: Path) -> None:
     assert flags[flags.index("--revision") + 1] == REVISION
 
 
-def test_spec_carries_params(verifier: Path, tmp_path: Path) -> None:
-    params = _params(verifier, extra_args=["--max-num-seqs", "4"], tensor_parallel_size=2)
+def test_spec_carries_pinned(verifier: Path, tmp_path: Path) -> None:
+    params = _pinned(verifier, extra_args=["--max-num-seqs", "4"], tensor_parallel_size=2)
     spec = verifier_spec(params, tmp_path / "x.log", reasoning_parser="deepseek_r1")
     assert spec.model == str(verifier) and spec.log_file == tmp_path / "x.log"
     assert spec.revision == REVISION and spec.trust_remote_code and spec.language_model_only
@@ -104,7 +101,7 @@ def test_plain_verifier_adds_no_flags(tmp_path: Path) -> None:
 def test_every_vllm_start_loads_the_pinned_verifier(
     verifier: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    params = _params(verifier)
+    params = _pinned(verifier)
     starts: dict[str, ServerSpec] = {}
 
     @contextlib.contextmanager

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from builders import fake_verifier
 
 from eagle3_pipeline.cli import main
 from eagle3_pipeline.config.params import load_params
@@ -61,8 +62,7 @@ def test_tiny_verifier_is_checked_from_params_and_named_not_valued(workspace: Pa
     _edit(workspace / "params.yaml", "train", "lr", 0.001)  # an ordinary edit
     _edit(workspace / "params.yaml", "extract", "backend", "hf")  # needs: not recorded either
     # An earlier build of another verifier in data/verifier does not count: tiny is rebuilt.
-    (workspace / "data/verifier").mkdir(parents=True)
-    (workspace / "data/verifier/config.json").write_text('{"architectures": ["OPTForCausalLM"]}')
+    fake_verifier(workspace / "data/verifier", {"architectures": ["OPTForCausalLM"]})
     check.run(load_params("params.yaml"), "params.yaml")
     assert OUTPUT.read_bytes() == first
 
@@ -87,8 +87,6 @@ def test_a_learning_curve_without_a_store_is_refused_at_load(workspace: Path) ->
 
 
 def test_pretrained_verifier_vllm_cannot_capture_is_refused(workspace: Path) -> None:
-    folder = workspace / "models/gemma2"
-    folder.mkdir(parents=True)
     config = {
         "architectures": ["Gemma2ForCausalLM"],
         "model_type": "gemma2",
@@ -96,9 +94,10 @@ def test_pretrained_verifier_vllm_cannot_capture_is_refused(workspace: Path) -> 
         "hidden_size": 64,
         "vocab_size": 512,
     }
-    (folder / "config.json").write_text(json.dumps(config))
-    (folder / "model.safetensors").write_bytes(b"")  # present: vLLM's class is what fails
-    (folder / "tokenizer_config.json").write_text("{}")
+    # weights present: vLLM's class is what fails
+    folder = fake_verifier(
+        workspace / "models/gemma2", config, tokenizer_config={}, **{"model.safetensors": b""}
+    )
     _edit(workspace / "params.yaml", "verifier", "source", "pretrained")
     _edit(workspace / "params.yaml", "verifier", "path", str(folder))
     with pytest.raises(VerifierError, match="Gemma2ForCausalLM does not implement SupportsEagle3"):

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
+from builders import fake_verifier, make_params
 from train_workspace import build_workspace
 
 from eagle3_pipeline.config.params import Params
@@ -26,14 +26,12 @@ LLAMA = {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 64, "voca
 ACCEPTED = {0.25: 8, 0.5: 11, 1.0: 14}
 
 
-def _params(fractions: list[float] = FRACTIONS) -> Params:
-    return Params.model_validate(
-        {
-            "prepare": {"val_ratio": 0.1},
-            "evaluate": {"num_speculative_tokens": 3},
-            "curve": {"fractions": fractions, "bootstrap_samples": 20},
-        }
-    )
+# The learning curve on FRACTIONS, 3 drafts per step, a tenth of the rows as val.
+CURVE = {
+    "prepare": {"val_ratio": 0.1},
+    "evaluate": {"num_speculative_tokens": 3},
+    "curve": {"fractions": FRACTIONS, "bootstrap_samples": 20},
+}
 
 
 def _counts(fraction: float) -> curve.Counts:
@@ -53,8 +51,7 @@ def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """tmp_path as the repo: the verifier's config.json and 400 tokenized training rows."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(curve, "_simulate", _fake_simulate)
-    paths.VERIFIER.mkdir(parents=True)
-    (paths.VERIFIER / "config.json").write_text(json.dumps(LLAMA))
+    fake_verifier(paths.VERIFIER, LLAMA)
     paths.TOKENIZED.mkdir(parents=True)
     rows = [
         {"id": f"r{i:03d}", "input_ids": [1] * (10 + i % 7), "loss_mask": [0, 1] * 5}
@@ -86,7 +83,7 @@ def _eval(fraction: float) -> Path:
 
 
 def test_measure_records_a_fractions_rows_and_counts(workspace: Path) -> None:
-    curve.measure(_params(), 0.25)
+    curve.measure(make_params(CURVE), 0.25)
     record = json.loads(_eval(0.25).read_text())
     rows = _rows_in(0.25)
     assert 0 < len(rows) < 400
@@ -100,7 +97,7 @@ def test_measure_records_a_fractions_rows_and_counts(workspace: Path) -> None:
 def test_the_result_has_the_fit_the_check_the_predictions_and_the_epochs(
     workspace: Path, capsys
 ) -> None:
-    params = _params()
+    params = make_params(CURVE)
     for f in FRACTIONS:
         curve.measure(params, f)
     _series(paths.TRAIN_VAL_TAU, [2.0, 2.3, 2.4])
@@ -157,7 +154,7 @@ def test_the_result_has_the_fit_the_check_the_predictions_and_the_epochs(
 def test_without_fractions_only_the_epochs_and_the_verifier(workspace: Path) -> None:
     (paths.CURVE_FRACTIONS / "0.5").mkdir(parents=True)  # a fraction dropped from the list
     _series(paths.TRAIN_VAL_TAU, [2.0, 2.3, 2.2])
-    curve.run(_params([]))
+    curve.run(make_params(CURVE, curve={"fractions": []}))
     result = json.loads(paths.CURVE.read_text())
     assert (result["points"], result["fit"], result["predictions"]) == ([], None, None)
     assert result["epochs"]["peak_epoch"] == 1 and result["epochs"]["peak_tau"] == 2.3
@@ -186,7 +183,7 @@ def _refusal(fraction: float) -> str:
 
 
 def test_read_fraction_refuses_missing_or_incomplete_metrics(workspace: Path) -> None:
-    params = _params()
+    params = make_params(CURVE)
     curve.measure(params, 0.5)
     full = json.loads(_eval(0.5).read_text()) | {"fraction": 1.0}
     with pytest.raises(DataError) as missing:
@@ -213,7 +210,7 @@ def test_read_fraction_refuses_missing_or_incomplete_metrics(workspace: Path) ->
 def test_read_fraction_refuses_other_val_samples_or_draft_counts(
     workspace: Path, key: str, value: object
 ) -> None:
-    curve.measure(_params(), 0.5)
+    curve.measure(make_params(CURVE), 0.5)
     full = json.loads(_eval(0.5).read_text()) | {key: value}
     with pytest.raises(DataError) as err:
         curve._read_fraction(0.5, full)
@@ -224,7 +221,7 @@ def test_read_fraction_refuses_other_val_samples_or_draft_counts(
 
 
 def test_run_refuses_a_listed_fraction_not_measured_and_writes_nothing(workspace: Path) -> None:
-    params = _params()
+    params = make_params(CURVE)
     curve.measure(params, 0.25)
     with pytest.raises(DataError, match=r"fractions/0\.5/eval\.json: not found: run the stage "):
         curve.run(params)
@@ -234,24 +231,21 @@ def test_run_refuses_a_listed_fraction_not_measured_and_writes_nothing(workspace
 def test_run_refuses_without_the_verifiers_config(workspace: Path) -> None:
     (paths.VERIFIER / "config.json").unlink()
     with pytest.raises(VerifierError, match=r"data/verifier/config\.json: not found"):
-        curve.run(_params())
+        curve.run(make_params(CURVE))
     assert not paths.CURVE.exists()
 
 
 def test_run_refuses_a_store_without_val_samples(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    verifier = tmp_path / "verifier"
-    verifier.mkdir()
-    (verifier / "config.json").write_text(json.dumps(LLAMA))
+    verifier = fake_verifier(tmp_path / "verifier", LLAMA)
     root = build_workspace(tmp_path / "ws", verifier, n_train=4, n_val=0)
     monkeypatch.chdir(root)
     manifest = json.loads((paths.HIDDEN_STATES / "manifest.json").read_text())
     for entry in manifest["samples"].values():
         entry["split"] = "train"  # as extract records it: every sample a training one
     (paths.HIDDEN_STATES / "manifest.json").write_text(json.dumps(manifest))
-    raw = yaml.safe_load((root / "params.yaml").read_text())
-    params = Params.model_validate(raw | {"curve": {"fractions": [0.5]}})
+    params = make_params(root / "params.yaml", curve={"fractions": [0.5]})
     with pytest.raises(StoreError) as err:
         curve.run(params)
     assert str(err.value) == f"{paths.HIDDEN_STATES}: no val samples: raise prepare.val_ratio"

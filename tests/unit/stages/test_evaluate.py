@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import make_params
 from online_runs import fake_run, stepped_run, write_val_prompts
 
 from eagle3_pipeline.config.params import Params
@@ -51,10 +52,8 @@ def _full_passes(seen: list) -> list:
     return [call for call in seen if call[2].top_logprobs]
 
 
-def _params(**evaluate_params: Any) -> Params:
-    return Params.model_validate(
-        {"evaluate": {"online": True, "max_eval_prompts": 3, **evaluate_params}}
-    )
+# Online evaluation on the 3 val prompts of `stage_dir`.
+ONLINE = {"evaluate": {"online": True, "max_eval_prompts": 3}}
 
 
 def test_stage_online_section_and_mismatch_line(
@@ -69,7 +68,7 @@ def test_stage_online_section_and_mismatch_line(
         return fake_run([[1, 2, 3]] * 3, wall=2.0, drafts=0, accepted=0)
 
     _served_by(monkeypatch, fake)
-    params = _params(mismatch_ratio=0.5)
+    params = make_params(ONLINE, evaluate={"mismatch_ratio": 0.5})
     section, mismatched, verdict = evaluate.run_online(params)
     out = rules.online_verdict(section, 3.0, mismatched, params, verdict)
 
@@ -119,7 +118,9 @@ def test_public_sets_lead_eval_json_and_leave_out_what_training_holds(
         return stepped_run(tokens, [[1, 0] if public else [3]] * len(conversations))
 
     _served_by(monkeypatch, fake)
-    params = _params(public_sets=["humaneval"], public_set_prompts=2, answer_window=4)
+    params = make_params(
+        ONLINE, evaluate={"public_sets": ["humaneval"], "public_set_prompts": 2, "answer_window": 4}
+    )
     section, mismatched, verdict = evaluate.run_online(params, held_out=True)
     held = section.pop("held_out")
     online = rules.online_verdict(section, 3.0, mismatched, params, verdict)["online"]
@@ -147,7 +148,7 @@ def test_stage_reports_differing_greedy_outputs(
         return fake_run(tokens, wall=1.0, drafts=4, accepted=4)
 
     _served_by(monkeypatch, fake)
-    params = _params()
+    params = make_params(ONLINE)
     section, mismatched, verdict = evaluate.run_online(params)
     out = rules.online_verdict(section, 2.0, mismatched, params, verdict)
     assert mismatched == ["p1"]
@@ -175,7 +176,7 @@ def test_stage_passes_near_ties_and_records_them(
         return run
 
     _served_by(monkeypatch, fake)
-    params = _params()
+    params = make_params(ONLINE)
     section, mismatched, verdict = evaluate.run_online(params)
     out = rules.online_verdict(section, 2.0, mismatched, params, verdict)
     rules.require_lossless(verdict, Path("logs"))  # passes
@@ -196,7 +197,7 @@ def test_stage_without_val_prompts_is_one_line_error(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataError, match="val.jsonl: not found"):
-        evaluate.run_online(_params())
+        evaluate.run_online(make_params(ONLINE))
 
 
 # --- the like-for-like alarm -----------------------------------------------------------------
@@ -222,7 +223,7 @@ def _section(mal: float) -> dict[str, Any]:
 
 
 def test_alarm_compares_with_the_same_prompts_figure(capsys: pytest.CaptureFixture) -> None:
-    params = _params()
+    params = make_params(ONLINE)
     same = {"mean_acceptance_length": 2.5, "num_drafts": 100}
     # whole val says 3.2 (the coarse rule is quiet: 1.3 >= 0.5 x 2.2); same prompts say 2.5
     out = rules.online_verdict(_section(2.3), 3.2, [], params, offline_same=same)
@@ -247,7 +248,7 @@ def test_each_swept_count_is_logged_beside_its_simulated_walk(
     }
     rows = {"2": _section(2.1) | {"speedup": 2.4}, "3": _section(2.5)}
     section = _section(2.5) | {"by_num_speculative_tokens": rows, "best_num_speculative_tokens": 2}
-    out = rules.online_verdict(section, 3.2, [], _params(), offline_same=same)
+    out = rules.online_verdict(section, 3.2, [], make_params(ONLINE), offline_same=same)
     key = "offline_same_prompts_mean_acceptance_length"
     by = out["online"]["by_num_speculative_tokens"]
     assert by["2"][key] == 2.1 and by["3"][key] == 2.5 and out["mismatch"] is False
@@ -260,7 +261,7 @@ def test_each_swept_count_is_logged_beside_its_simulated_walk(
 
 
 def test_alarm_falls_back_to_the_ratio_without_a_same_prompts_figure() -> None:
-    params = _params(mismatch_ratio=0.5)
+    params = make_params(ONLINE, evaluate={"mismatch_ratio": 0.5})
     out = rules.online_verdict(_section(2.3), 3.2, [], params)
     assert out["mismatch"] is False and out["mismatch_rule"]["compared_with"] == "offline"
     empty = {"mean_acceptance_length": 1.0, "num_drafts": 0}  # no online prompt in the store
@@ -284,7 +285,10 @@ def test_second_concurrency_is_timed_in_its_own_paired_rounds(
         return fake_run([[1, 2]] * len(conversations), wall, drafts=4 * drafter, accepted=4)
 
     _served_by(monkeypatch, fake)
-    params = _params(max_eval_prompts=40, throughput_concurrency=[1, 16], speedup_rounds=4)
+    params = make_params(
+        ONLINE,
+        evaluate={"max_eval_prompts": 40, "throughput_concurrency": [1, 16], "speedup_rounds": 4},
+    )
     write_val_prompts(stage_dir, 40)
     section, _, _ = evaluate.run_online(params)
     assert [c for _, c, _, full in seen if full] == [1, 1]  # full passes at the run's concurrency
@@ -313,7 +317,7 @@ def test_a_wide_spread_gives_no_speedup_in_eval_json(
         return fake_run([[1, 2]] * len(conversations), 1.0, drafts=0, accepted=0)
 
     _served_by(monkeypatch, fake)
-    section, _, _ = evaluate.run_online(_params())
+    section, _, _ = evaluate.run_online(make_params(ONLINE))
     assert section["speedup"] is None and section["speedup_trusted"] is False
     assert section["speedup_rounds"] == [2.0, 2.0, 0.5, 2.0, 2.0]
     assert section["speedup_spread"] == pytest.approx(0.75)
@@ -384,7 +388,9 @@ def test_offline_cap_is_honoured_and_reported(
 ) -> None:
     n = 6
     reads, calls = _fake_store(monkeypatch, n)
-    params = _params(max_offline_samples=2, max_eval_prompts=3, max_new_tokens=4)
+    params = make_params(
+        ONLINE, evaluate={"max_offline_samples": 2, "max_eval_prompts": 3, "max_new_tokens": 4}
+    )
     simulated, result = evaluate.simulate_offline(params)
     assert result["offline_run"] == {
         "samples_simulated": 2,
@@ -412,11 +418,10 @@ def test_every_branch_is_simulated_with_its_family_s_drafter_and_walk(
     from eagle3_pipeline.evaluation import offline, parallel_offline
 
     reads, _ = _fake_store(monkeypatch, 4)
-    params = Params.model_validate(
-        {
-            "evaluate": {"online": True, "max_eval_prompts": 3, "max_new_tokens": 4},
-            "families": {"e": {"name": "eagle3"}, "d": {"name": "dflash", "block_size": 4}},
-        }
+    params = make_params(
+        ONLINE,
+        evaluate={"max_new_tokens": 4},
+        families={"e": {"name": "eagle3"}, "d": {"name": "dflash", "block_size": 4}},
     )
     simulated, result = evaluate.simulate_offline(params)
     loaded: list[tuple[str, str | None]] = []
@@ -474,11 +479,8 @@ def test_a_branch_is_checked_against_its_own_simulation(
     _served_by(monkeypatch, fake)
     monkeypatch.setattr(evaluate, "simulate_family", simulate)
     monkeypatch.setattr(evaluate, "_trained_layers", lambda params, family=None: [2, 4, 5])
-    params = Params.model_validate(
-        {
-            "evaluate": {"online": True, "max_eval_prompts": 3},
-            "families": {"df": {"name": "dflash", "block_size": 4}, "pe": {"name": "peagle"}},
-        }
+    params = make_params(
+        ONLINE, families={"df": {"name": "dflash", "block_size": 4}, "pe": {"name": "peagle"}}
     )
     evaluate.run_family(params, "df")
     out = json.loads(Path("metrics/families/df/eval.json").read_text())
@@ -508,7 +510,7 @@ def test_the_stage_writes_no_speedup_when_the_rounds_disagree(
         return fake_run([[1, 2]] * len(conversations), 1.0, drafts=0, accepted=0)
 
     _served_by(monkeypatch, fake)
-    params = _params()
+    params = make_params(ONLINE)
     section, mismatched, verdict = evaluate.run_online(params)
     out = rules.online_verdict(section, 2.0, mismatched, params, verdict)
     online = json.loads(json.dumps(out))["online"]
@@ -537,11 +539,12 @@ def test_evaluate_serves_with_its_own_vllm_args_when_given(
         yield fake
 
     monkeypatch.setattr(oe, "servers_up", servers_up)
-    base = {"vllm": {"extra_args": ["--dtype", "bfloat16"]}}
     for own, expected in ((["--dtype", "float32"], ["--dtype", "float32"]), (None, None)):
         started.clear()
-        params = Params.model_validate(
-            base | {"evaluate": {"online": True, "max_eval_prompts": 3, "vllm_extra_args": own}}
+        params = make_params(
+            ONLINE,
+            vllm={"extra_args": ["--dtype", "bfloat16"]},
+            evaluate={"vllm_extra_args": own},
         )
         evaluate.run_online(params)
         # the drafter's server also returns vLLM's per-answer counts (served.SPEC_METRICS_ARGS)

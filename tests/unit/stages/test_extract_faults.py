@@ -102,7 +102,7 @@ def test_disk_full_ends_at_once_with_the_reason_and_a_rerun_resumes(
 def test_a_failed_connector_write_is_reported_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from eagle3_pipeline.serving import cpu_hs_connector
+    from eagle3_pipeline.in_vllm import cpu_hs_connector
 
     assert hidden_states.FAILED_SUFFIX == cpu_hs_connector.FAILED_SUFFIX  # writer and reader
     target = tmp_path / "vllm"

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import stand_in_server as stand_in
+from builders import stand_in_verifier
 from fake_openai import DROP, error, fake_servers, reply, sequence
 from fake_openai import row_id as _row_id
 from generate_workspace import output_rows, prepare_rows, vllm_params
@@ -172,13 +173,6 @@ def fake() -> Iterator:
         yield start
 
 
-def _fake_verifier(root: Path) -> Path:
-    path = root / "verifier"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps({"num_hidden_layers": 8}))
-    return path
-
-
 def test_stage_failed_rows_go_to_the_sidecar_and_a_rerun_retries_only_them(
     tmp_path: Path, fake, monkeypatch
 ) -> None:
@@ -198,7 +192,7 @@ def test_stage_failed_rows_go_to_the_sidecar_and_a_rerun_retries_only_them(
         return healthy(body)
 
     server = fake(flaky)
-    params = vllm_params(_fake_verifier(tmp_path), server_url=server.url, max_retries=1)
+    params = vllm_params(stand_in_verifier(tmp_path), server_url=server.url, max_retries=1)
     generate.run(params)
 
     failed = readers.read_jsonl(tmp_path / "data/generated/failed.jsonl")
@@ -242,7 +236,7 @@ def test_a_server_without_token_ids_is_refused_in_one_line(
     monkeypatch.chdir(tmp_path)
     prepare_rows(tmp_path, 4)
     server = fake(sequence(reply("r", "c")))  # no token_ids: text only
-    params = vllm_params(_fake_verifier(tmp_path), server_url=server.url)
+    params = vllm_params(stand_in_verifier(tmp_path), server_url=server.url)
     with pytest.raises(ServerError, match=r"^q0\d: the server returned no token_ids"):
         generate.run(params)
     assert not (tmp_path / "data/generated").exists()
@@ -252,7 +246,7 @@ def test_stage_where_every_request_fails_is_anerror(tmp_path: Path, fake, monkey
     monkeypatch.chdir(tmp_path)
     prepare_rows(tmp_path, 4)
     server = fake(sequence(error(400, "max_tokens=4000 cannot be greater than max_model_len")))
-    params = vllm_params(_fake_verifier(tmp_path), server_url=server.url)
+    params = vllm_params(stand_in_verifier(tmp_path), server_url=server.url)
     with pytest.raises(ServerError, match=r"all 4 requests to .* failed, e\.g\. q00: HTTP 400"):
         generate.run(params)
     assert not (tmp_path / "data/generated").exists()
@@ -271,7 +265,7 @@ def test_stage_stops_when_the_server_stops_answering(tmp_path: Path, fake, monke
 
     server = fake(dies_after_three)
     params = vllm_params(
-        _fake_verifier(tmp_path), server_url=server.url, concurrency=1, max_retries=2
+        stand_in_verifier(tmp_path), server_url=server.url, concurrency=1, max_retries=2
     )
     with pytest.raises(ServerError, match=r"stopped answering \(q03: connection error.*rerun to"):
         generate.run(params)
@@ -287,7 +281,7 @@ def test_unreachable_server_url_is_a_one_lineerror(tmp_path: Path, monkeypatch) 
     prepare_rows(tmp_path, 2)
     url = f"http://127.0.0.1:{vllm_server.free_port()}"
     with pytest.raises(ServerError, match="no answer from the server.*generate.server_url"):
-        generate.run(vllm_params(_fake_verifier(tmp_path), server_url=url))
+        generate.run(vllm_params(stand_in_verifier(tmp_path), server_url=url))
 
 
 def test_a_server_the_stage_started_that_dies_ends_it_in_seconds_in_one_line(

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import make_params, stand_in_verifier
 from fake_openai import fake_servers, reply
 from fake_openai import row_id as _row_id
 from generate_workspace import prepare_rows, vllm_params
 
 from eagle3_pipeline.cluster import engine
 from eagle3_pipeline.cluster import record as cluster_record
-from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import paths
 from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.serving.chat import API_KEY_VAR
@@ -30,13 +30,6 @@ from eagle3_pipeline.stages import generate
 def _answer(body: dict) -> tuple[int, dict]:
     rid = _row_id(body)
     return reply(f"think {rid}", f"answer {rid}", token_ids=[len(rid), 7, 2])
-
-
-def _fake_verifier(root: Path) -> Path:
-    path = root / "verifier"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps({"num_hidden_layers": 8}))
-    return path
 
 
 def _outputs(root: Path) -> dict[str, bytes]:
@@ -59,12 +52,12 @@ def test_a_fleet_writes_the_same_rows_as_one_server_and_records_who_answered(
         prepare_rows(root, 10)
     monkeypatch.chdir(one)
     single = fake(_answer)
-    generate.run(vllm_params(_fake_verifier(one), server_url=single.url, concurrency=1))
+    generate.run(vllm_params(stand_in_verifier(one), server_url=single.url, concurrency=1))
     assert not cluster_record.RECORDS.exists()  # one server_url: as before, no cluster record
 
     monkeypatch.chdir(fleet)
     a, b = fake(_answer), fake(_answer)
-    params = vllm_params(_fake_verifier(fleet), server_urls=[a.url, b.url + "/"], concurrency=1)
+    params = vllm_params(stand_in_verifier(fleet), server_urls=[a.url, b.url + "/"], concurrency=1)
     generate.run(params)
     assert _outputs(fleet) == _outputs(one)
     assert sorted(a.requested_ids() + b.requested_ids()) == sorted(single.requested_ids())
@@ -143,7 +136,7 @@ def test_the_users_servers_get_the_key_from_the_environment_and_it_is_never_writ
     prepare_rows(tmp_path, 4)
     key = "sk-test-" + "x" * 24
     with _keyed(key) as a, _keyed(key) as b:
-        params = vllm_params(_fake_verifier(tmp_path), server_urls=[a.url, b.url])
+        params = vllm_params(stand_in_verifier(tmp_path), server_urls=[a.url, b.url])
         monkeypatch.delenv(API_KEY_VAR, raising=False)
         with pytest.raises(ServerError, match=rf"HTTP 401: .*none was sent: export {API_KEY_VAR}"):
             generate.run(params)
@@ -184,13 +177,12 @@ def test_cluster_engine_starts_one_keyed_server_per_node_on_its_address(
         yield started
 
     monkeypatch.setattr(node_servers, "node_servers", fake_node_servers)
-    raw = {
-        "seed": 7,
-        "verifier": {"path": str(_fake_verifier(tmp_path))},
-        "generate": {"backend": "vllm", "max_new_tokens": 8, "server_port": 8410},
-        "cluster": {"engine": "ray", "nodes": 2},
-    }
-    params = Params.model_validate(raw)
+    params = make_params(
+        seed=7,
+        verifier={"path": str(stand_in_verifier(tmp_path))},
+        generate={"backend": "vllm", "max_new_tokens": 8, "server_port": 8410},
+        cluster={"engine": "ray", "nodes": 2},
+    )
     with contextlib.ExitStack() as stack:
         generate.run(params)
     assert [s.host for s in specs] == ["10.0.0.1", "10.0.0.2"]

@@ -4,12 +4,12 @@ only in the DVC cache, without the scratch journal), and the output equals a run
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import dvc_outputs
 import pytest
+from builders import stand_in_verifier
 from fake_openai import fake_servers, reply
 from generate_workspace import vllm_params
 
@@ -43,10 +43,7 @@ def _workspace(root: Path, prompts: dict[str, str], val: set[str]) -> Path:
     for split, rs in rows.items():
         atomic.write_jsonl(root / f"data/prepared/{split}.jsonl", rs)
     verifier = root / "verifier"
-    if not verifier.is_dir():
-        verifier.mkdir()
-        (verifier / "config.json").write_text(json.dumps({"num_hidden_layers": 8}))
-    return verifier
+    return verifier if verifier.is_dir() else stand_in_verifier(root)
 
 
 def _published(root: Path) -> dict[str, bytes]:

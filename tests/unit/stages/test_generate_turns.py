@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from builders import stand_in_verifier
 from fake_openai import fake_servers, reply
 from generate_workspace import output_rows, vllm_params
 
@@ -26,9 +26,7 @@ def test_every_turn_is_answered_with_the_verifiers_own_context(tmp_path: Path, m
         tmp_path / "data/prepared/val.jsonl",
         [{"id": "v", "messages": [{"role": "user", "content": "only"}]}],
     )
-    verifier = tmp_path / "verifier"
-    verifier.mkdir()
-    (verifier / "config.json").write_text(json.dumps({"num_hidden_layers": 8}))
+    verifier = stand_in_verifier(tmp_path)
     seen: list[list[str]] = []
 
     def answer(body: dict) -> tuple[int, dict]:

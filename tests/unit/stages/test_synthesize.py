@@ -15,7 +15,7 @@ from pathlib import Path
 
 import dvc_outputs
 import pytest
-import yaml
+from builders import PARAMS_YAML, fake_verifier, make_params, params_file
 
 from eagle3_pipeline.cli import main
 from eagle3_pipeline.config.params import Params
@@ -38,8 +38,7 @@ def verifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("verifier")
     texts, _ = tiny._read_corpus(REPO / "data/corpus/verifier_corpus.jsonl")
     tiny._train_tokenizer(texts[:60], 400).save_pretrained(str(out))
-    (out / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
-    return out
+    return fake_verifier(out, {"model_type": "llama", "num_hidden_layers": 2})
 
 
 class Scripted:
@@ -94,14 +93,16 @@ class Scripted:
         return " ".join(rng.sample(WORDS, 9)).capitalize() + "?", True
 
 
-def _params(verifier: Path, **synth) -> Params:
-    return Params.model_validate(
-        {
-            "verifier": {"path": str(verifier)},
-            "generate": {"chat_template_kwargs": {"thinking": True}},
-            "prepare": {"synthesize": {"count": 20, "batch_size": 8} | synth},
-        }
-    )
+# This file's start: 20 prompts in batches of 8, the template's thinking on.
+SYNTH = {
+    "generate": {"chat_template_kwargs": {"thinking": True}},
+    "prepare": {"synthesize": {"count": 20, "batch_size": 8}},
+}
+
+
+def synth_params(verifier: Path, **synth: object) -> Params:
+    """SYNTH for the verifier in `verifier`, `synth` changing prepare.synthesize."""
+    return make_params(SYNTH, verifier={"path": str(verifier)}, prepare={"synthesize": synth})
 
 
 def _run(
@@ -132,7 +133,7 @@ def _tokenizer(verifier: Path):
 def test_count_zero_writes_an_empty_set_without_reading_the_verifier(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    params = _params(tmp_path / "no-verifier", count=0)
+    params = synth_params(tmp_path / "no-verifier", count=0)
     rows, stats = _run(tmp_path, params, monkeypatch, None)
     assert rows == [] and (tmp_path / "data/synthesized/prompts.jsonl").read_bytes() == b""
     assert stats["kept"] == stats["sampled"] == 0 and stats["seconds"] == 0.0
@@ -152,7 +153,7 @@ def test_count_prompts_are_kept_and_drops_counted(
     tmp_path: Path, verifier: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
     sampler = Scripted(_tokenizer(verifier))
-    rows, stats = _run(tmp_path, _params(verifier, count=40), monkeypatch, sampler)
+    rows, stats = _run(tmp_path, synth_params(verifier, count=40), monkeypatch, sampler)
     assert len(rows) == 40 == stats["kept"]
     ids = [r["id"] for r in rows]
     assert len(set(ids)) == 40 and all(i.startswith("syn-") and len(i) == 24 for i in ids)
@@ -185,15 +186,15 @@ def test_a_killed_run_resumes_to_the_same_prompts(
     tmp_path: Path, verifier: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tok = _tokenizer(verifier)
-    whole, _ = _run(tmp_path / "whole", _params(verifier), monkeypatch, Scripted(tok))
+    whole, _ = _run(tmp_path / "whole", synth_params(verifier), monkeypatch, Scripted(tok))
     killed = tmp_path / "killed"
     with pytest.raises(RuntimeError, match="killed"):
-        _run(killed, _params(verifier), monkeypatch, Scripted(tok, fail_on_call=1))
+        _run(killed, synth_params(verifier), monkeypatch, Scripted(tok, fail_on_call=1))
     assert not (killed / "data/synthesized").exists()
     journal = readers.read_jsonl(killed / "data/.work/synthesize/batches.jsonl")
     assert [e["batch"] for e in journal] == [0]
     again = Scripted(tok)
-    resumed, stats = _run(killed, _params(verifier), monkeypatch, again)
+    resumed, stats = _run(killed, synth_params(verifier), monkeypatch, again)
     assert again.calls[0][0] == synthesize.batch_seed(0, 1, 1, "user")  # batch 0 not redrawn
     assert stats["batches_resumed"] == 1
     assert resumed == whole
@@ -206,13 +207,13 @@ def test_a_larger_count_goes_on_from_the_batches_drawn(
     tmp_path: Path, verifier: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tok = _tokenizer(verifier)
-    small, s_stats = _run(tmp_path, _params(verifier, count=10), monkeypatch, Scripted(tok))
+    small, s_stats = _run(tmp_path, synth_params(verifier, count=10), monkeypatch, Scripted(tok))
     more = Scripted(tok)
-    large, l_stats = _run(tmp_path, _params(verifier, count=30), monkeypatch, more)
+    large, l_stats = _run(tmp_path, synth_params(verifier, count=30), monkeypatch, more)
     assert large[:10] == small  # nested: a smaller count keeps a prefix
     assert len(more.calls) == l_stats["batches"] - s_stats["batches"]
     # back to 10: everything from the journal, no sampler
-    again, stats = _run(tmp_path, _params(verifier, count=10), monkeypatch, None)
+    again, stats = _run(tmp_path, synth_params(verifier, count=10), monkeypatch, None)
     assert again == small and stats["prompts_per_s"] == 0.0
 
 
@@ -225,7 +226,7 @@ def test_a_larger_count_goes_on_from_the_published_batches_alone(
     is the one a run from scratch at the larger count writes."""
     tok = _tokenizer(verifier)
     run = tmp_path / "run"
-    small, s_stats = _run(run, _params(verifier, count=10), monkeypatch, Scripted(tok))
+    small, s_stats = _run(run, synth_params(verifier, count=10), monkeypatch, Scripted(tok))
     if teammate == "dvc-cache":
         dvc_outputs.commit(run, "synthesize", ["data/synthesized"])
         dvc_outputs.pulled_only(run, ["data/synthesized"])
@@ -233,7 +234,7 @@ def test_a_larger_count_goes_on_from_the_published_batches_alone(
         shutil.rmtree(run / "data/.work")
     more = Scripted(tok)
     capsys.readouterr()
-    large, l_stats = _run(run, _params(verifier, count=30), monkeypatch, more)
+    large, l_stats = _run(run, synth_params(verifier, count=30), monkeypatch, more)
     assert large[:10] == small
     assert len(more.calls) == l_stats["batches"] - s_stats["batches"]  # only the new batches
     assert more.calls[0][0] == synthesize.batch_seed(0, s_stats["batches"], 1, "user")
@@ -245,7 +246,7 @@ def test_a_larger_count_goes_on_from_the_published_batches_alone(
     # the prompts of every batch drawn: the first 10, and the last batch's beyond count 10
     assert said and int(said[1]) >= 10 and int(said[1]) + int(said[2]) == 30
     whole, w_stats = _run(
-        tmp_path / "whole", _params(verifier, count=30), monkeypatch, Scripted(tok)
+        tmp_path / "whole", synth_params(verifier, count=30), monkeypatch, Scripted(tok)
     )
     assert large == whole
     for name in (synthesize.PROMPTS, synthesize.JOURNAL):
@@ -264,7 +265,7 @@ def test_system_prompts_steer_the_first_turn_of_their_batches_and_stay_out_of_th
     steer = ["", "You write Python functions."]
     rows, stats = _run(
         tmp_path / "steered",
-        _params(verifier, count=30, system_prompts=steer),
+        synth_params(verifier, count=30, system_prompts=steer),
         monkeypatch,
         sampler,
     )
@@ -277,9 +278,9 @@ def test_system_prompts_steer_the_first_turn_of_their_batches_and_stay_out_of_th
     assert sum(stats["kept_by_system_prompt"]) == 30 and min(stats["kept_by_system_prompt"]) > 0
     batches = readers.read_jsonl(tmp_path / "steered/data/synthesized/batches.jsonl")
     assert [b["steer"] for b in batches] == [i % 2 for i in range(len(batches))]
-    unsteered = _params(verifier, count=30)
+    unsteered = synth_params(verifier, count=30)
     assert synthesize.settings_key(unsteered) != synthesize.settings_key(
-        _params(verifier, count=30, system_prompts=steer)
+        synth_params(verifier, count=30, system_prompts=steer)
     )
     plain_rows, plain_stats = _run(tmp_path / "plain", unsteered, monkeypatch, Scripted(tok))
     assert "kept_by_system_prompt" not in plain_stats
@@ -293,12 +294,12 @@ def test_system_prompts_need_a_template_with_a_system_role(
 
     shape = magpie.derive(_tokenizer(verifier), {})
     no_system = type(shape)(**{**shape.__dict__, "system_open": ""})
-    params = _params(verifier, system_prompts=["", "You write Python functions."])
+    params = synth_params(verifier, system_prompts=["", "You write Python functions."])
     with pytest.raises(ParamsError, match="prepare.synthesize.system_prompts: .* no system role"):
         synthesize.steered_openings(params, _tokenizer(verifier), no_system)
     assert (
         synthesize.steered_openings(
-            _params(verifier, system_prompts=["", ""]), _tokenizer(verifier), no_system
+            synth_params(verifier, system_prompts=["", ""]), _tokenizer(verifier), no_system
         )
         == [no_system.opening] * 2
     )
@@ -308,7 +309,7 @@ def test_a_spent_max_samples_ratio_fails_in_one_line(
     tmp_path: Path, verifier: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sampler = Scripted(_tokenizer(verifier), same=True)
-    params = _params(verifier, count=10, batch_size=4, max_samples_ratio=2.0)
+    params = synth_params(verifier, count=10, batch_size=4, max_samples_ratio=2.0)
     with pytest.raises(DataError) as err:
         _run(tmp_path, params, monkeypatch, sampler)
     msg = str(err.value)
@@ -324,7 +325,7 @@ def test_multi_turn_rows_end_with_a_user_turn(
     tmp_path: Path, verifier: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sampler = Scripted(_tokenizer(verifier))
-    rows, stats = _run(tmp_path, _params(verifier, count=6, turns=2), monkeypatch, sampler)
+    rows, stats = _run(tmp_path, synth_params(verifier, count=6, turns=2), monkeypatch, sampler)
     assert len(rows) == 6
     for r in rows:
         assert [m["role"] for m in r["messages"]] == ["user", "assistant", "user"]
@@ -351,7 +352,7 @@ def test_answers_that_never_end_are_named_in_the_failure(
     tmp_path: Path, verifier: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sampler = Scripted(_tokenizer(verifier), answers_end=False)
-    params = _params(verifier, count=4, batch_size=4, turns=2, max_samples_ratio=1.0)
+    params = synth_params(verifier, count=4, batch_size=4, turns=2, max_samples_ratio=1.0)
     with pytest.raises(DataError, match="raise prepare.synthesize.max_answer_tokens"):
         _run(tmp_path, params, monkeypatch, sampler)
 
@@ -359,10 +360,12 @@ def test_answers_that_never_end_are_named_in_the_failure(
 def test_the_command_fails_in_one_line(
     tmp_path: Path, verifier: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params["verifier"]["path"] = str(verifier)
-    params["prepare"]["synthesize"] = {"count": 4, "batch_size": 2, "max_samples_ratio": 1.0}
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    params_file(
+        tmp_path / "params.yaml",
+        PARAMS_YAML,
+        verifier={"path": str(verifier)},
+        prepare={"synthesize": {"count": 4, "batch_size": 2, "max_samples_ratio": 1.0}},
+    )
     sampler = Scripted(_tokenizer(verifier), same=True)
     monkeypatch.setattr(
         samplers, "open_sampler", lambda *_: __import__("contextlib").nullcontext(sampler)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import fake_verifier, make_params, params_file, pretrained
 
 from eagle3_pipeline.cli import main as cli_main
-from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import StoreError
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.store import verify as store_verify
@@ -21,10 +21,8 @@ AUX, FINAL, HIDDEN = [2, 4, 5], 8, 16
 def workdir(request, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A repo-like dir: verifier config, tokenized rows and the store extracted from them."""
     monkeypatch.chdir(tmp_path)
-    verifier = tmp_path / "data/verifier"
-    verifier.mkdir(parents=True)
     config = {"num_hidden_layers": FINAL, "hidden_size": HIDDEN, "vocab_size": 300}
-    (verifier / "config.json").write_text(json.dumps(config))
+    fake_verifier(tmp_path / "data/verifier", config)
     layout = store.StoreLayout(AUX, FINAL, HIDDEN, request.param, {"name_or_path": "v"})
     g = torch.Generator().manual_seed(0)
     (tmp_path / "data/tokenized").mkdir()
@@ -44,20 +42,13 @@ def workdir(request, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         path = tmp_path / "data/tokenized" / f"{split}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     store.write_manifest(Path("data/hidden_states"), layout, entries)
-    (tmp_path / "params.yaml").write_text(
-        json.dumps(
-            {
-                "verifier": {"source": "pretrained", "path": "data/verifier"},
-                "layers": {"aux_layer_ids": AUX, "final_layer_id": FINAL},
-                "extract": {"store_dtype": request.param},
-            }
-        )
+    params_file(
+        tmp_path / "params.yaml",
+        verifier=pretrained("data/verifier"),
+        layers={"aux_layer_ids": AUX, "final_layer_id": FINAL},
+        extract={"store_dtype": request.param},
     )
     return tmp_path
-
-
-def _params() -> Params:
-    return Params.model_validate(json.loads(Path("params.yaml").read_text()))
 
 
 def test_good_store_passes(workdir: Path, capsys) -> None:
@@ -79,7 +70,7 @@ def test_bad_files_are_listed_with_reasons(workdir: Path, capsys) -> None:
     rows[2]["input_ids"][0] = (rows[2]["input_ids"][0] + 1) % 300  # c: store from other inputs
     Path("data/tokenized/train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
-    assert store_verify.main(_params(), store_dir=str(root)) == 1
+    assert store_verify.main(make_params(Path("params.yaml")), store_dir=str(root)) == 1
     out = capsys.readouterr().out
     bad = {
         line.split(":")[0].removeprefix("BAD "): line
@@ -107,13 +98,13 @@ def test_hardlinked_damage_names_the_dvc_fix(workdir: Path, capsys) -> None:
         fh.write(bytes(data))
     with pytest.raises(StoreError, match="1 file"):
         store.verify_hashes(root, store.read_manifest(root))
-    assert store_verify.main(_params(), store_dir=str(root)) == 1
+    assert store_verify.main(make_params(Path("params.yaml")), store_dir=str(root)) == 1
     out = capsys.readouterr().out
     assert f"chmod u+w {root / 'a.safetensors'} && dvc repro extract" in out
 
 
 def test_layer_ids_other_than_params_are_reported(workdir: Path, capsys) -> None:
-    params = _params().model_copy(deep=True)
+    params = make_params(Path("params.yaml")).model_copy(deep=True)
     params.layers.aux_layer_ids = [1, 4, 5]
     assert store_verify.main(params, store_dir="data/hidden_states") == 1
     assert (

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from builders import model_files, train_params
 from drafter_fixtures import (
     HIDDEN,
     VOCAB,
@@ -113,8 +114,7 @@ def test_refuse_names_both_mappings(verifier: Path, legacy: dict[str, Any]) -> N
 def _variant(src: Path, dst: Path, config: dict | None = None, tensors: dict | None = None) -> Path:
     shutil.copytree(src, dst)
     if config:
-        cfg = json.loads((dst / "config.json").read_text()) | config
-        (dst / "config.json").write_text(json.dumps(cfg))
+        model_files(dst, config=json.loads((dst / "config.json").read_text()) | config)
     if tensors:
         weights = load_file(str(dst / "model.safetensors")) | tensors
         save_file(weights, str(dst / "model.safetensors"))
@@ -199,7 +199,6 @@ def test_real_training_starts_from_legacy_checkpoint(
 ) -> None:
     """speculators' trainer, 1 epoch at a negligible lr: epoch 0 holds the checkpoint's weights
     (bf16, as both are saved); a second run resumes and leaves init_from alone."""
-    from eagle3_pipeline.config.training_params import TrainParams
     from eagle3_pipeline.training.data import (
         TrainingSample,
         train_data_ratio_for,
@@ -225,19 +224,10 @@ def test_real_training_starts_from_legacy_checkpoint(
     np.save(tmp_path / "d2t.npy", d2t.numpy())
     np.save(tmp_path / "t2d.npy", t2d.numpy())
     save_dir = tmp_path / "ckpt"
-    train = TrainParams(
-        epochs=1,
+    train = train_params(
         lr=1e-12,
-        scheduler="none",
-        warmup_ratio=0.0,
-        noise_std=0.0,
         ttt_steps=2,
-        ttt_step_loss_decay=1.0,
         max_tokens_per_batch=96,
-        seed=0,
-        num_workers=0,
-        train_lm_head=False,
-        keep_last=None,
         init_from=str(legacy["same"]),
         init_vocab_mismatch="refuse",
     )

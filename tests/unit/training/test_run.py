@@ -28,7 +28,7 @@ NOT_SETTINGS = {
     "init_mismatch": "drafter.conventions (refuses or allows; the settings get its result)",
     "flags": "drafter.conventions -> the four flag fields (test_settings_carry_conventions)",
     "hidden_states": "the stage: online -> online_flags (test_online_flags_reach_speculators)",
-    "online": "training.online.speculators_flags -> online_flags",
+    "online": "online_training.source.speculators_flags -> online_flags",
     "family": "as is (test_family_reaches_settings; excludes init_from, so not in NON_DEFAULT)",
     "init_from_verifier": "as is (test_init_from_verifier_reaches_settings; excludes init_from)",
 }
@@ -208,7 +208,7 @@ def test_online_flags_reach_speculators(tmp_path: Path) -> None:
     """Online mode's flags, the Mooncake backend's included, reach speculators' config; without
     split_backend_flags its schema drops mooncake_* silently and uses 127.0.0.1:50051."""
     from eagle3_pipeline.config.training_params import OnlineParams
-    from eagle3_pipeline.training.online import speculators_flags
+    from eagle3_pipeline.online_training.source import speculators_flags
 
     online = OnlineParams(backend="mooncake", request_timeout_s=7, max_retries=2)
     online.mooncake.master = "10.1.2.3:50099"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from builders import fake_verifier
 
 from eagle3_pipeline.config.params import load_params
 from eagle3_pipeline.core.errors import VerifierError
@@ -42,9 +43,7 @@ def test_content_stamp_is_the_same_on_every_machine_and_sees_new_weights(tmp_pat
     import os
     import shutil
 
-    one = tmp_path / "one"
-    one.mkdir()
-    (one / "config.json").write_text('{"num_hidden_layers": 2}')
+    one = fake_verifier(tmp_path / "one", {"num_hidden_layers": 2})
     weights = bytearray(os.urandom(3 * vf.STAMP_ENDS_BYTES))
     (one / "model.safetensors").write_bytes(weights)
     two = tmp_path / "two"
@@ -56,5 +55,5 @@ def test_content_stamp_is_the_same_on_every_machine_and_sees_new_weights(tmp_pat
     (two / "model.safetensors").write_bytes(weights)
     assert vf.content_stamp(one) != vf.content_stamp(two)
     shutil.copy(one / "model.safetensors", two / "model.safetensors")
-    (two / "config.json").write_text('{"num_hidden_layers": 3}')
+    fake_verifier(two, {"num_hidden_layers": 3})
     assert vf.content_stamp(one) != vf.content_stamp(two)

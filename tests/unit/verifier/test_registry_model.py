@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from builders import model_files
 
 from eagle3_pipeline.core.errors import VerifierError
 from eagle3_pipeline.verifier import registry_model as rm
@@ -45,7 +46,7 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
 
     def convert(gguf: Path, dst: Path, stage: str) -> None:
         calls.append(gguf.read_bytes())
-        (dst / "config.json").write_text("{}")
+        model_files(dst, config={})
 
     monkeypatch.setattr(rm, "_convert", convert)
     return {"spec": spec, "calls": calls, "wheels": wheels}

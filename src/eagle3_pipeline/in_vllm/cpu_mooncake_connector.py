@@ -9,7 +9,7 @@ markers), so the trainer's side reads its objects as the stock connector's; on a
 an accelerator it is the stock connector.
 
 Used through kv_transfer_config: {"kv_connector": "CPUMooncakeHiddenStatesConnector",
-"kv_connector_module_path": "eagle3_pipeline.serving.cpu_mooncake_connector", ...}. Imports
+"kv_connector_module_path": "eagle3_pipeline.in_vllm.cpu_mooncake_connector", ...}. Imports
 vLLM (through hs_connectors' connector): only vLLM should import this module.
 """
 

@@ -1,9 +1,9 @@
 """Online training's server checked before step one, and the params its workers read.
 
 Before the first step the server's hidden states of the first stored row are compared with the
-store's (training/online.py `check_server`): another model, revision or layer ids is refused in
-one line, not found after an epoch. Workers launched through torchrun read the server (and the
-Mooncake master) from the params the driver writes (`served_by`).
+store's (online_training/source.py `check_server`): another model, revision or layer ids is
+refused in one line, not found after an epoch. Workers launched through torchrun read the server
+(and the Mooncake master) from the params the driver writes (`served_by`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.training import online
+from eagle3_pipeline.online_training import source as online
 from eagle3_pipeline.training.inputs import TrainInputs, run_settings
 from eagle3_pipeline.training.run import build_train_config
 

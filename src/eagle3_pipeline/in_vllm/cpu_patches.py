@@ -8,7 +8,7 @@ heads and `k_pe`, a slice of the fused kv_a output. So the rope half of q is unr
 1.., and k_pe rows land in the wrong tokens: logits nats away from transformers, and dependent
 on how many tokens share the step (batching, verification of drafts vs one-token decode). The
 fix rotates contiguous 2-D copies (which the kernel gets right) and writes them back in place.
-Reproduced in tests/unit/serving/test_cpu_patches.py (xfail on stock vLLM).
+Reproduced in tests/unit/in_vllm/test_cpu_patches.py (xfail on stock vLLM).
 
 `pair_mla_drafter_block_size`: an MLA verifier (DeepSeek-V3, Kimi-K2.5) with a Llama-architecture
 EAGLE-3 drafter. vLLM's CPU platform forces block size 16 for the CPU MLA kernel
@@ -17,7 +17,7 @@ EAGLE-3 drafter. vLLM's CPU platform forces block size 16 for the CPU MLA kernel
 for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])`. CPU_ATTN has a kernel for 16-token blocks
 (`_get_attn_isa` picks "vec16" when the block size is no multiple of 32; the platform only
 warns that it is slower), so 16 is added to what CPU_ATTN declares. Its outputs at 16 are
-checked against torch SDPA in tests/unit/serving/test_cpu_patches.py. On GPU both backends
+checked against torch SDPA in tests/unit/in_vllm/test_cpu_patches.py. On GPU both backends
 share block sizes and nothing is patched.
 
 vLLM's CPU platform spawns its engine and workers (the server forks its engine instead where it runs
@@ -41,11 +41,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from eagle3_pipeline.in_vllm import entry_points
 from eagle3_pipeline.verifier import identity as vf
 
 BLOCK_SIZE = 16  # the CPU MLA kernel's only block size (csrc/cpu/mla_decode.cpp)
-MLA_WORKER = "eagle3_pipeline.serving.cpu_mla_worker.CpuMlaRope"
-MLA_DRAFTER_WORKER = "eagle3_pipeline.serving.mla_drafter_worker.MlaDrafterBlockSize"
 
 
 def fix_cpu_rope_multihead() -> None:
@@ -153,10 +152,10 @@ def server_args_with_patches(args: list[str], on_cpu: bool | None = None) -> lis
     if not serves_mla_on_cpu(ns.model, on_cpu):
         return args
     fix_cpu_rope_multihead()
-    worker = MLA_WORKER
+    worker = entry_points.MLA_WORKER
     if needs_mla_drafter_pairing(args, on_cpu):
         pair_mla_drafter_block_size()
-        worker = MLA_DRAFTER_WORKER
+        worker = entry_points.MLA_DRAFTER_WORKER
     if ns.worker_extension_cls:
         return args  # the user's own extension; its module must apply the patches itself
     return [*args, "--worker-extension-cls", worker]

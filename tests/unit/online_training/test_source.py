@@ -1,4 +1,4 @@
-"""training/online.py's server: one the stage started that stops while training waits on it
+"""online_training/source.py's server: one the stage started that stops while training waits on it
 interrupts the training at once and ends the stage in one line naming the server and the cause
 (against a stand-in with vLLM's process tree, tests/helpers/stand_in_server.py)."""
 
@@ -13,7 +13,7 @@ import stand_in_server as stand_in
 
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import ServerDown
-from eagle3_pipeline.training import online
+from eagle3_pipeline.online_training import source as online
 
 
 def test_a_stopped_server_interrupts_training_and_says_why(

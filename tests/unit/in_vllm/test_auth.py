@@ -1,4 +1,4 @@
-"""serving/auth.py and the keyed server start: every route but /health wants the key (vLLM's own
+"""in_vllm/auth.py and the keyed server start: every route but /health wants the key (vLLM's own
 --api-key leaves /invocations, /metrics and more open); the key reaches the server through its
 environment, never its command line, its log or a repr. A real keyed vLLM server:
 tests/e2e/test_cluster_generate.py."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.serving import auth
+from eagle3_pipeline.in_vllm import auth, entry_points
 from eagle3_pipeline.serving import server as vllm_server
 from eagle3_pipeline.serving.server import ServerSpec
 
@@ -78,7 +78,7 @@ def test_a_keyed_server_gets_its_key_by_environment_only(tmp_path: Path, monkeyp
     cmd = " ".join(started["cmd"])
     assert "--port 0" in cmd
     assert KEY not in cmd and "--api-key" not in cmd
-    assert f"--middleware {auth.MIDDLEWARE}" in cmd and "--host 127.0.0.1" in cmd
+    assert f"--middleware {entry_points.AUTH_MIDDLEWARE}" in cmd and "--host 127.0.0.1" in cmd
     assert started["env"][auth.KEY_VAR] == KEY
     assert KEY not in (tmp_path / "server.log").read_text()  # the log starts with the command
     assert KEY not in repr(spec)

@@ -6,7 +6,7 @@ model and sizes its KV cache. Import it only in a vLLM worker: the import patche
 
 from __future__ import annotations
 
-from eagle3_pipeline.serving.cpu_patches import (
+from eagle3_pipeline.in_vllm.cpu_patches import (
     fix_cpu_rope_multihead,
     pair_mla_drafter_block_size,
 )

@@ -1,9 +1,9 @@
 """The child side of a vLLM server the pipeline starts: what runs in the server's processes.
 
-`python -m eagle3_pipeline.serving.server_entry --watch -- CMD` is the watchdog (serving/server.py
+`python -m eagle3_pipeline.in_vllm.server_entry --watch -- CMD` is the watchdog (serving/server.py
 starts every server under it): it runs CMD in its process group and kills the group when its
 stdin, a pipe only the stage holds, closes, so that no server outlives a SIGKILLed stage.
-`python -m eagle3_pipeline.serving.server_entry --run MODULE ARGS` is the server itself: vLLM's
+`python -m eagle3_pipeline.in_vllm.server_entry --run MODULE ARGS` is the server itself: vLLM's
 entry point MODULE after `patch_cpu_kernel_rebind` and, where needed, `cpu_patches` (see there
 why). The in-process engines (extract's, the synthesis sampler's) apply the same kernel patch.
 """
@@ -138,7 +138,7 @@ def _run_vllm(module: str, args: list[str]) -> None:
     worker runs inside the engine core process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set),
     that process is forked (`_fork_engine_core`), and model classes are inspected in this
     process (`cpu_patches.inspect_models_in_process`)."""
-    from eagle3_pipeline.serving import cpu_patches
+    from eagle3_pipeline.in_vllm import cpu_patches
 
     if cpu_patches.on_cpu_platform():
         # With multiprocessing on, vLLM's CPU platform forces the mp executor: the API server,
@@ -163,6 +163,6 @@ if __name__ == "__main__":
         sys.exit(_watch(sys.argv[3:]))
     else:
         sys.exit(
-            "usage: python -m eagle3_pipeline.serving.server_entry --watch -- CMD [ARGS...] | "
+            "usage: python -m eagle3_pipeline.in_vllm.server_entry --watch -- CMD [ARGS...] | "
             "--run MODULE [ARGS...]"
         )

@@ -3,7 +3,7 @@
 vLLM's own `--api-key` (or VLLM_API_KEY) guards the /v1, /v2, /inference and /cohere prefixes
 only: /invocations (SageMaker's route: the same completions), /metrics, /tokenize and the rest
 stay open (vLLM's docs say so). A server started with `--middleware
-eagle3_pipeline.serving.auth.RequireKey` refuses any request without `Authorization: Bearer
+eagle3_pipeline.in_vllm.auth.RequireKey` refuses any request without `Authorization: Bearer
 <VLLM_API_KEY>`, except GET /health, which says nothing but "up" and which readiness polls.
 The key is read from the server's environment (never from its command line, which `ps` shows
 and the server log repeats).
@@ -18,8 +18,9 @@ import os
 import secrets
 from typing import Any
 
+from eagle3_pipeline.in_vllm import entry_points
+
 KEY_VAR = "VLLM_API_KEY"
-MIDDLEWARE = "eagle3_pipeline.serving.auth.RequireKey"
 OPEN_PATHS = ("/health",)
 
 
@@ -43,7 +44,9 @@ class RequireKey:
     def __init__(self, app: Any) -> None:
         key = os.environ.get(KEY_VAR)
         if not key:
-            raise RuntimeError(f"{MIDDLEWARE} needs {KEY_VAR} in the server's environment")
+            raise RuntimeError(
+                f"{entry_points.AUTH_MIDDLEWARE} needs {KEY_VAR} in the server's environment"
+            )
         self.app = app
         self._want = _digest(key)
 

@@ -16,7 +16,7 @@ lock files, token ids) is the stock behaviour, so readers written for the stock 
 our files too.
 
 Used through kv_transfer_config: {"kv_connector": "HiddenStatesConnector",
-"kv_connector_module_path": "eagle3_pipeline.serving.cpu_hs_connector", ...}: the name resolves,
+"kv_connector_module_path": "eagle3_pipeline.in_vllm.cpu_hs_connector", ...}: the name resolves,
 in the process vLLM loads it in, to the class for that machine, so a CPU driver that writes the
 config for a server on a GPU node (online mode on a cluster) names the right one. Imports vLLM:
 only vLLM (and code that already imported vLLM) should import this module.

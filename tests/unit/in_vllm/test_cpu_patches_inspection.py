@@ -14,7 +14,7 @@ def test_a_model_class_is_inspected_in_process_with_vllms_own_answer(
 ) -> None:
     from vllm.model_executor.models import registry
 
-    from eagle3_pipeline.serving import cpu_patches
+    from eagle3_pipeline.in_vllm import cpu_patches
 
     model = registry._LazyRegisteredModel(
         module_name="vllm.model_executor.models.llama", class_name="LlamaForCausalLM"
@@ -42,7 +42,7 @@ def test_a_model_class_is_inspected_in_process_with_vllms_own_answer(
 
 def test_only_the_cpu_platform_inspects_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """An accelerator keeps vLLM's subprocess (importing a model there could initialize CUDA)."""
-    from eagle3_pipeline.serving import cpu_patches
+    from eagle3_pipeline.in_vllm import cpu_patches
 
     calls: list[str] = []
     monkeypatch.setattr(cpu_patches, "inspect_models_in_process", lambda: calls.append("in"))

@@ -29,7 +29,7 @@ from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.config.training_params import OnlineParams
 from eagle3_pipeline.core.errors import DataError, ServerDown, ServerError, VerifierError
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.serving import auth
+from eagle3_pipeline.in_vllm import auth
 from eagle3_pipeline.serving.chat import API_KEY_VAR
 from eagle3_pipeline.training.online_backend import speculators_flags as backend_flags
 

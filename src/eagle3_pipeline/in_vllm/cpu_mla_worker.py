@@ -5,7 +5,7 @@ the worker builds the model. Import it only in a vLLM worker: the import patches
 
 from __future__ import annotations
 
-from eagle3_pipeline.serving.cpu_patches import fix_cpu_rope_multihead
+from eagle3_pipeline.in_vllm.cpu_patches import fix_cpu_rope_multihead
 
 fix_cpu_rope_multihead()
 

@@ -5,7 +5,7 @@ TorchSpec's shape on our engine. With `cluster.engine: ray`, `train.hidden_state
 pool and the rest the training pool (torchrun agents run there only). Every inference node serves
 the verifier with `extract_hidden_states` (a cluster/servers.py ServerWorker actor pinned to it,
 listening on its cluster address); speculators' dataloader takes one `--vllm-endpoint`, so each
-training rank is given one of those servers, round robin by global rank (training/online.py
+training rank is given one of those servers, round robin by global rank (online_training/source.py
 `endpoint_for_rank`); with `backend: mooncake`, only where two servers on one master are shown to
 work (`serving_nodes`). With `train.online.backend: mooncake` the first inference node also runs
 `mooncake_master` (a MasterWorker actor, bound to the node's address, stopped at the end) unless
@@ -33,21 +33,18 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from eagle3_pipeline.cluster import engine
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.config.training_params import ClusterParams, OnlineParams
 from eagle3_pipeline.core.errors import ParamsError, ServerError
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.serving import auth
-from eagle3_pipeline.serving.server_entry import cpu_worker_in_engine_core
-from eagle3_pipeline.training.online import ENDPOINTS_VAR, OnlineSource
-from eagle3_pipeline.training.online import trainer_env as online_trainer_env
+from eagle3_pipeline.in_vllm import auth, entry_points
+from eagle3_pipeline.in_vllm.server_entry import cpu_worker_in_engine_core
+from eagle3_pipeline.online_training.source import ENDPOINTS_VAR, OnlineSource
+from eagle3_pipeline.online_training.source import trainer_env as online_trainer_env
 from eagle3_pipeline.training.online_backend import LOCAL_HOSTNAME_VAR
-
-if TYPE_CHECKING:  # vLLM loads it by module path; named here so train's DVC deps list it
-    from eagle3_pipeline.serving import cpu_mooncake_connector  # noqa: F401
 
 STAGE = "train"
 MASTER_READY_S = 30.0
@@ -55,7 +52,6 @@ STOP_TIMEOUT_S = 60.0
 # hs_connectors' Mooncake connector needs an accelerator; ours is the same on one and falls back
 # to the CPU without (the driver cannot tell what the inference node has).
 CPU_MOONCAKE_CONNECTOR = "CPUMooncakeHiddenStatesConnector"
-CPU_MOONCAKE_MODULE = "eagle3_pipeline.serving.cpu_mooncake_connector"
 ONE_SERVER = "two servers on one Mooncake master: only CPU servers with their default executor"
 
 
@@ -153,7 +149,7 @@ def serving_nodes(
     driver passes it, set to anything but 0: two such servers failed on a namespaced local
     cluster, the master expired one server's client and its puts were lost) and any GPU server
     (not run yet). Our CPU servers keep the worker inside the engine core process by default
-    (serving/server_entry.py), and two of them serve."""
+    (in_vllm/server_entry.py), and two of them serve."""
     own_worker_process = num_gpus > 0 or not cpu_worker_in_engine_core(env)
     return inference[:1] if mooncake and own_worker_process else list(inference)
 
@@ -218,7 +214,7 @@ class Pools:
             )
         return found
 
-    def served(self) -> dict:
+    def served(self) -> dict[str, Any]:
         """The provenance record with each live server's answered requests (its /metrics)."""
         from eagle3_pipeline.serving.server import answered
 
@@ -259,7 +255,7 @@ def mooncake_kv_config(params: Params, master: str, host: str) -> dict:
     config = MooncakeBackend.build_kv_transfer_config(args)
     config["kv_connector_extra_config"]["mooncake"]["local_hostname"] = host
     config["kv_connector"] = CPU_MOONCAKE_CONNECTOR
-    config["kv_connector_module_path"] = CPU_MOONCAKE_MODULE
+    config["kv_connector_module_path"] = entry_points.MOONCAKE_CONNECTOR
     return config
 
 

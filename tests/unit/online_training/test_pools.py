@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from builders import make_params, pretrained
 
 from eagle3_pipeline.cluster import engine, torchrun
-from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.config.training_params import ClusterParams
 from eagle3_pipeline.core.errors import ParamsError
-from eagle3_pipeline.training import online_pools as cluster_online
-from eagle3_pipeline.training.online import OnlineSource
+from eagle3_pipeline.in_vllm import entry_points
+from eagle3_pipeline.online_training import pools as cluster_online
+from eagle3_pipeline.online_training.source import OnlineSource
 
 A = engine.Node("a" * 56, "10.0.0.1")
 B = engine.Node("b" * 56, "10.0.0.2")
@@ -51,29 +52,29 @@ def test_mooncake_serves_from_every_inference_node_only_where_shown_to_work(
     assert cluster_online.serving_nodes([A, B], mooncake, num_gpus, env) == serving
 
 
-def _params(**train) -> Params:
-    return Params.model_validate(
-        {
-            "verifier": {"source": "pretrained", "path": "data/verifier"},
-            "cluster": {"engine": "ray", "nodes": 2, "train_nodes": 1},
-            "train": {"hidden_states": "online"} | train,
-        }
-    )
+# Online training on a 2-node Ray cluster: one node serves, one trains.
+ONLINE_RAY = {
+    "verifier": pretrained("data/verifier"),
+    "cluster": {"engine": "ray", "nodes": 2, "train_nodes": 1},
+    "train": {"hidden_states": "online"},
+}
 
 
 def test_pools_only_when_this_stage_starts_the_server_on_a_ray_cluster() -> None:
-    assert cluster_online.uses_pools(_params())
-    assert not cluster_online.uses_pools(_params(online={"endpoint": "http://h:8000/v1"}))
-    assert not cluster_online.uses_pools(_params(hidden_states="store"))
-    local = _params().model_copy(update={"cluster": ClusterParams()})
+    assert cluster_online.uses_pools(make_params(ONLINE_RAY))
+    assert not cluster_online.uses_pools(
+        make_params(ONLINE_RAY, train={"online": {"endpoint": "http://h:8000/v1"}})
+    )
+    assert not cluster_online.uses_pools(make_params(ONLINE_RAY, train={"hidden_states": "store"}))
+    local = make_params(ONLINE_RAY).model_copy(update={"cluster": ClusterParams()})
     assert not cluster_online.uses_pools(local)
 
 
 def test_mooncake_server_config_names_the_node_and_master() -> None:
-    params = _params(online={"backend": "mooncake"})
+    params = make_params(ONLINE_RAY, train={"online": {"backend": "mooncake"}})
     kv = cluster_online.mooncake_kv_config(params, "10.0.0.1:50051", "10.0.0.1")
     assert kv["kv_connector"] == "CPUMooncakeHiddenStatesConnector"
-    assert kv["kv_connector_module_path"] == "eagle3_pipeline.serving.cpu_mooncake_connector"
+    assert kv["kv_connector_module_path"] == entry_points.MOONCAKE_CONNECTOR
     mooncake = kv["kv_connector_extra_config"]["mooncake"]
     assert mooncake["master_server_address"] == "10.0.0.1:50051"
     assert mooncake["local_hostname"] == "10.0.0.1"
@@ -118,21 +119,29 @@ def test_trainers_run_on_the_training_pool_with_their_own_mooncake_address(
 
 
 def test_a_master_in_params_is_used_else_one_is_started() -> None:
-    assert cluster_online.given_master(_params(online={"backend": "mooncake"}).train.online) is None
-    given = _params(online={"backend": "mooncake", "mooncake": {"master": "10.0.0.9:50051"}})
+    assert (
+        cluster_online.given_master(
+            make_params(ONLINE_RAY, train={"online": {"backend": "mooncake"}}).train.online
+        )
+        is None
+    )
+    given = make_params(
+        ONLINE_RAY,
+        train={"online": {"backend": "mooncake", "mooncake": {"master": "10.0.0.9:50051"}}},
+    )
     assert cluster_online.given_master(given.train.online) == "10.0.0.9:50051"
 
 
 def test_a_server_this_stage_starts_wants_the_run_s_own_key(
     monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
-    """Single node (training/online.py) as across nodes: the run's key on the server, in the
+    """Single node (online_training/source.py) as across nodes: the run's key on the server, in the
     source the trainers get, nowhere in its name (which logs and errors print)."""
     import contextlib
     import types
 
+    from eagle3_pipeline.online_training import source as online
     from eagle3_pipeline.serving import hidden_state_server, hidden_states, server
-    from eagle3_pipeline.training import online
 
     specs = []
 
@@ -148,13 +157,13 @@ def test_a_server_this_stage_starts_wants_the_run_s_own_key(
     )
     keys = []
     for _ in range(2):
-        with online.online_source(_params(), [1, 2], tmp_path) as source:
+        with online.online_source(make_params(ONLINE_RAY), [1, 2], tmp_path) as source:
             assert source.api_key and source.api_key == specs[-1].api_key
             assert source.api_key not in source.name + repr(source)
             assert online.trainer_env(source) == {"EAGLE3_VLLM_API_KEY": source.api_key}
             keys.append(source.api_key)
     assert keys[0] != keys[1] and len(keys[0]) >= 32  # per run
-    given = _params(online={"endpoint": "http://h:8000/v1"})
+    given = make_params(ONLINE_RAY, train={"online": {"endpoint": "http://h:8000/v1"}})
     monkeypatch.delenv("EAGLE3_VLLM_API_KEY", raising=False)
     with online.online_source(given, [1, 2], tmp_path) as source:
         assert source.api_key is None and online.trainer_env(source) == {}
@@ -168,7 +177,7 @@ def test_each_rank_takes_one_server_of_the_pool_round_robin(
 ) -> None:
     """speculators' dataloader takes one endpoint: ranks spread over the inference pool's
     servers by global rank (so two ranks of one node use two servers)."""
-    from eagle3_pipeline.training import online
+    from eagle3_pipeline.online_training import source as online
 
     servers = [OnlineSource(f"http://10.0.0.{i}:8000/v1", f"s{i}", "k") for i in (1, 2)]
     pools = cluster_online.Pools(servers, [A, B], [C], None)

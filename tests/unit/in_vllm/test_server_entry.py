@@ -1,4 +1,4 @@
-"""serving.server_entry: the watchdog (with a stand-in for vLLM) ends the server's process group
+"""in_vllm.server_entry: the watchdog (with a stand-in for vLLM) ends the server's process group
 when the stage disappears and passes SIGTERM on; the CPU kernel-rebind scan skips objects it cannot
 read. Servers that start real vLLM: tests/integration/test_vllm_server.py.
 
@@ -63,7 +63,7 @@ def test_a_server_whose_watchdog_died_before_it_was_armed_ends(
     """A watchdog killed between the fork and the prctl arms no death signal: the server, no
     longer the watchdog's child, ends itself before it runs, through the SIGTERM handler that
     it inherits from the watchdog until its exec."""
-    from eagle3_pipeline.serving import server_entry as srv
+    from eagle3_pipeline.in_vllm import server_entry as srv
 
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as _watch sets it
     try:
@@ -81,7 +81,7 @@ def test_kernel_rebind_scan_skips_objects_whose_lookup_raises() -> None:
     (werkzeug's, once moto/flask is imported) or a non-mapping __dict__ (llvmlite) is skipped."""
     from vllm.triton_utils import dispatcher
 
-    from eagle3_pipeline.serving.server_entry import patch_cpu_kernel_rebind
+    from eagle3_pipeline.in_vllm.server_entry import patch_cpu_kernel_rebind
 
     class Raises:
         def __getattribute__(self, name: str):
@@ -108,8 +108,8 @@ def test_a_cpu_server_runs_its_worker_in_the_engine_process_unless_the_user_says
     """On CPU the server's worker runs inside its engine core process (one process and one
     import less at every start); a value the user set, and any accelerator platform, are left
     as they are."""
-    from eagle3_pipeline.serving import cpu_patches
-    from eagle3_pipeline.serving import server_entry as srv
+    from eagle3_pipeline.in_vllm import cpu_patches
+    from eagle3_pipeline.in_vllm import server_entry as srv
 
     var = "VLLM_ENABLE_V1_MULTIPROCESSING"
     monkeypatch.setenv(var, preset or "")  # restored (or removed) after the test either way
@@ -142,8 +142,8 @@ def test_a_cpu_server_forks_its_engine_core_only_with_the_uni_executor(
     workers come from the engine core) vLLM's spawn stands."""
     from vllm.platforms import cpu
 
-    from eagle3_pipeline.serving import cpu_patches
-    from eagle3_pipeline.serving import server_entry as srv
+    from eagle3_pipeline.in_vllm import cpu_patches
+    from eagle3_pipeline.in_vllm import server_entry as srv
 
     method = "VLLM_WORKER_MULTIPROC_METHOD"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", multiprocessing)

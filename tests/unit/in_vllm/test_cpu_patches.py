@@ -11,24 +11,22 @@ is torch SDPA on the same q/k/v. Block 32 (the backend's own "vec" path) is the 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 import torch
+from builders import fake_verifier
 
-from eagle3_pipeline.serving import cpu_patches
+from eagle3_pipeline.in_vllm import cpu_patches, entry_points
 
 SPEC = '{"method": "eagle3", "model": "models/drafter", "num_speculative_tokens": 3}'
 
 
 def _model(root: Path, text: dict) -> str:
-    root.mkdir()
     config = {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": text}
-    (root / "config.json").write_text(json.dumps(config))
-    return str(root)
+    return str(fake_verifier(root, config))
 
 
 @pytest.fixture
@@ -65,13 +63,13 @@ def test_server_args_gain_the_worker_hook_only_when_needed(
     assert patched == []
     baseline = ["--model", mla, "--port", "1"]
     got = cpu_patches.server_args_with_patches(baseline, on_cpu=True)
-    assert got == [*baseline, "--worker-extension-cls", cpu_patches.MLA_WORKER]
+    assert got == [*baseline, "--worker-extension-cls", entry_points.MLA_WORKER]
     assert patched == ["rope"]
     args = ["--model", mla, "--speculative-config", SPEC, "--port", "1"]
     got = cpu_patches.server_args_with_patches(args, on_cpu=True)
-    assert got == [*args, "--worker-extension-cls", cpu_patches.MLA_DRAFTER_WORKER]
+    assert got == [*args, "--worker-extension-cls", entry_points.MLA_DRAFTER_WORKER]
     assert patched == ["rope", "rope", "pair"]
-    for qualname in (cpu_patches.MLA_WORKER, cpu_patches.MLA_DRAFTER_WORKER):
+    for qualname in (entry_points.MLA_WORKER, entry_points.MLA_DRAFTER_WORKER):
         module = qualname.rpartition(".")[0].rpartition(".")[2]
         assert (Path(cpu_patches.__file__).parent / f"{module}.py").is_file()
 
