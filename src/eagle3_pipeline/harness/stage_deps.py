@@ -14,6 +14,7 @@ files at an unchanged path differ from what the stage last read, naming the stag
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import os
@@ -46,10 +47,22 @@ def module_file(name: str) -> Path:
     return path if path.is_file() else PKG / rel / "__init__.py"
 
 
+def _nodes(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of `path`'s syntax tree, parsed once per version of the file (imports and
+    named both walk it, for every module of every stage's closure)."""
+    stat = path.stat()
+    return _parsed(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.cache
+def _parsed(path: Path, _mtime_ns: int, _size: int) -> tuple[ast.AST, ...]:
+    return tuple(ast.walk(ast.parse(path.read_text())))
+
+
 def imports(path: Path) -> set[str]:
     """Package modules `path` imports; `from pkg import mod` counts pkg/mod.py as a module."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _nodes(path):
         if (
             isinstance(node, ast.ImportFrom)
             and node.module
@@ -75,7 +88,7 @@ def named(path: Path) -> set[str]:
     (`package.module` or `package.module.Class`, in_vllm/entry_points.py): vLLM imports them
     in its processes, so a stage that hands vLLM the name depends on the module."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _nodes(path):
         if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
             continue
         if not _DOTTED.fullmatch(node.value):
