@@ -103,6 +103,15 @@ def by_answer_position(answers: Sequence[Answer], k: int, window: int) -> list[d
 
 
 def _brief(answers: Sequence[Answer], k: int) -> dict[str, Any]:
+    """Count and acceptance of one group of answers; a group with no answers has no acceptance
+    (null, not the 1.0 that zero drafts would read as)."""
+    if not answers:
+        return {
+            "count": 0,
+            "mean_acceptance_length": None,
+            "acceptance_per_position": None,
+            "num_drafts": 0,
+        }
     got = acceptance(answers, k)
     return {
         "count": len(answers),

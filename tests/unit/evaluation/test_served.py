@@ -57,6 +57,17 @@ def test_section_measures_looping_and_cut_answers_apart() -> None:
     assert "by_category" not in got
 
 
+def test_section_gives_a_kind_with_no_answers_no_acceptance() -> None:
+    got = served.section([_answer([1, 2], cut=True, ids=list(range(6)))], K, window=64)
+    assert got["looping"] == {
+        "count": 0,
+        "mean_acceptance_length": None,
+        "acceptance_per_position": None,
+        "num_drafts": 0,
+    }
+    assert got["cut"]["mean_acceptance_length"] == pytest.approx(2.5)
+
+
 def test_section_splits_categories_when_a_set_has_several() -> None:
     got = served.section([_answer([3], cat="math"), _answer([0], cat="code")], K, window=8)
     assert got["by_category"]["math"]["mean_acceptance_length"] == pytest.approx(4.0)
