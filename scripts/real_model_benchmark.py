@@ -20,7 +20,9 @@ The second run, in the workspace of the first (its outputs made here or pulled f
 remote): the `smollm2-2x` profile doubles the prompts, the stages make only the new rows, train
 retrains on all of them, and the result file gains `grown` (that run's figures), `growth` (each
 data stage's seconds against the first run's) and `curve.out_of_sample` (the first run's
-prediction at 2x against what 2x measured, offline and served).
+prediction at 2x against what 2x measured, offline and served). The offline figure is given twice:
+on the 2x run's val samples, and on the first run's alone (the samples the prediction's interval
+resamples; the split keeps them in val, and their ids are kept before the store grows).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ PROFILE = "smollm2"
 GROWN_PROFILE = "smollm2-2x"
 DATA_STAGES = ("synthesize", "generate", "tokenize", "extract")
 MODEL = "smollm2-135m-instruct"
+# The first run's val sample ids, read from its store before the 2x run replaces it.
+FIRST_VAL_IDS = REPO / "data/.work/bench/first-val-ids.json"
 
 
 def sh(*cmd: str) -> None:
@@ -164,9 +168,10 @@ def served(ev: dict) -> dict | None:
     }
 
 
-def grown(first: dict, second: dict) -> dict:
+def grown(first: dict, second: dict, on_first_val: dict | None = None) -> dict:
     """The 2x run beside the first: `growth` (each data stage's seconds, and generate + extract
-    together, against the first run's) and the curve's out-of-sample check."""
+    together, against the first run's) and the curve's out-of-sample check; `on_first_val`: the
+    2x drafter measured on the first run's val samples (`measure_on_first_val`)."""
     stages = {}
     for stage in DATA_STAGES:
         a, b = first["stage_s"].get(stage), second["stage_s"].get(stage)
@@ -196,6 +201,14 @@ def grown(first: dict, second: dict) -> dict:
             "measured_offline": measured,
             "measured_train_tokens": second["train_tokens"],
             "inside_interval": low <= measured <= high,
+            **(
+                {
+                    "measured_offline_first_val": on_first_val,
+                    "inside_interval_first_val": low <= on_first_val["tau"] <= high,
+                }
+                if on_first_val
+                else {}
+            ),
             "served": {
                 "first": (first.get("served") or {}).get("sets"),
                 "grown": (second.get("served") or {}).get("sets"),
@@ -204,6 +217,42 @@ def grown(first: dict, second: dict) -> dict:
     return {
         "growth": {"stages": stages, "generate_extract_ratio": both},
         "out_of_sample": check,
+    }
+
+
+def keep_first_val_ids() -> None:
+    """The first run's val sample ids, from its store's manifest, before the 2x run grows it;
+    kept once: a second 2x run finds params.yaml on the 2x profile and the ids already kept."""
+    if _params().get("profile") != PROFILE and FIRST_VAL_IDS.is_file():
+        return
+    manifest = json.loads((REPO / "data/hidden_states/manifest.json").read_text())
+    ids = sorted(sid for sid, e in manifest["samples"].items() if e["split"] == "val")
+    FIRST_VAL_IDS.parent.mkdir(parents=True, exist_ok=True)
+    FIRST_VAL_IDS.write_text(json.dumps(ids) + "\n")
+
+
+def measure_on_first_val() -> dict | None:
+    """The 2x drafter simulated offline on the first run's val samples (the 90% interval a
+    bootstrap over them); None where their ids were not kept."""
+    if not FIRST_VAL_IDS.is_file():
+        return None
+    from eagle3_pipeline.config.params import load_params
+    from eagle3_pipeline.evaluation import learning_curve as lc
+    from eagle3_pipeline.stages import curve
+
+    os.chdir(REPO)
+    params = load_params(REPO / "params.yaml")
+    got = curve.measure_on(params, Path("models/drafter"), json.loads(FIRST_VAL_IDS.read_text()))
+    point = lc.Point(1.0, 0, 0, **got["per_sample"])
+    k = params.evaluate.num_speculative_tokens
+    (interval,), _ = lc.bootstrap(
+        [point], k, [], params.curve.bootstrap_samples, params.curve.confidence, params.seed
+    )
+    return {
+        "tau": got["tau"],
+        "interval": [round(x, 4) for x in interval],
+        "num_samples": got["num_samples"],
+        "missing": got["missing"],
     }
 
 
@@ -259,6 +308,7 @@ def grow(no_run: bool) -> int:
             print(f"uncommitted changes {dirty()}: commit first, the result names the commit")
             return 1
         t0 = time.monotonic()
+        keep_first_val_ids()
         sh("make", "--no-print-directory", "profile", f"PROFILE={GROWN_PROFILE}")
         sh("eagle3", "fetch-prompts")  # before plan, which refuses a set not fetched
         sh("eagle3", "plan")
@@ -268,7 +318,7 @@ def grow(no_run: bool) -> int:
         wall, ran_at = first["grown"].get("wall_s"), first["grown"].get("commit") or ran_at
     second = result(wall, ran_at)
     record = {k: v for k, v in first.items() if k not in ("grown", "growth")}
-    checked = grown(first, second)
+    checked = grown(first, second, measure_on_first_val())
     record["growth"] = checked["growth"]
     record["curve"] = record["curve"] | {"out_of_sample": checked["out_of_sample"]}
     record["grown"] = {k: v for k, v in second.items() if k != "curve"}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -179,9 +180,37 @@ def _check(points: list[lc.Point], k: int, c: Any, seed: int) -> dict[str, Any] 
     }
 
 
-def _simulate(params: Params, dirs: dict[str, Path]) -> tuple[list[str], dict[str, Counts]]:
+def measure_on(params: Params, model_dir: Path, ids: Collection[str]) -> dict[str, Any]:
+    """A drafter simulated on the val samples among `ids` (e.g. an earlier, smaller run's val
+    samples, which the split keeps in val when rows are added: prepare.is_val hashes the id):
+    the figure that compares with a curve fitted on those samples. {"num_samples", "missing"
+    (ids not among this store's val samples), "tau", "per_sample"}."""
+    found, counts = _simulate(params, {"model": model_dir}, only=set(ids))
+    got = counts["model"]
+    return {
+        "num_samples": len(found),
+        "missing": sorted(set(ids) - set(found)),
+        "tau": round(lc.tau_of(sum(got.drafts), sum(got.accepted)), 4),
+        "per_sample": {"drafts": got.drafts, "accepted": got.accepted},
+    }
+
+
+def val_ids(val: Collection[str], max_samples: int | None, only: set[str] | None) -> list[str]:
+    """The val samples simulated, by id: the first `max_samples` (evaluate.max_offline_samples,
+    None = all), or every one in `only`."""
+    if not val:
+        raise StoreError(f"{paths.HIDDEN_STATES}: no val samples: raise prepare.val_ratio")
+    if only is not None:
+        return sorted(set(val) & only)
+    return sorted(val)[:max_samples]
+
+
+def _simulate(
+    params: Params, dirs: dict[str, Path], only: set[str] | None = None
+) -> tuple[list[str], dict[str, Counts]]:
     """(the val ids, per model: counts per val sample) as evaluate simulates them: the first
-    evaluate.max_offline_samples val samples by id, greedy tokens computed once per sample."""
+    evaluate.max_offline_samples val samples by id (`only`: those of them in `only`, however
+    many), greedy tokens computed once per sample."""
     config = vf.text_config(vf.read_config(params.verifier.path))
     conventions = run_conventions(params, int(config["num_hidden_layers"]))
     manifest = store.read_manifest(paths.HIDDEN_STATES)
@@ -189,9 +218,7 @@ def _simulate(params: Params, dirs: dict[str, Path]) -> tuple[list[str], dict[st
         manifest, conventions.aux_layer_ids, conventions.final_layer_id, paths.HIDDEN_STATES
     )
     val = {sid: e for sid, e in manifest["samples"].items() if e["split"] == "val"}
-    if not val:
-        raise StoreError(f"{paths.HIDDEN_STATES}: no val samples: raise prepare.val_ratio")
-    ids = sorted(val)[: params.evaluate.max_offline_samples]
+    ids = val_ids(val, params.evaluate.max_offline_samples, only)
     device, dtype = drafter.compute_placement()
     models = {
         name: drafter.load_drafter(path, params.verifier.path, device, dtype)

@@ -3,6 +3,7 @@ first (growth per data stage, the curve's prediction out of sample)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -43,6 +44,39 @@ def test_a_measurement_outside_the_interval_says_so_and_no_prediction_gives_none
     first = _run(STAGES, 2.08, 1.75, [PREDICTED])
     assert bench.grown(first, _run(STAGES, 2.5, 2.0))["out_of_sample"]["inside_interval"] is False
     assert bench.grown(_run(STAGES, 2.08, 1.75), _run(STAGES, 2.5, 2.0))["out_of_sample"] is None
+
+
+def test_the_first_runs_val_samples_give_the_like_for_like_check() -> None:
+    first = _run(STAGES, 2.08, 1.75, [PREDICTED])
+    on_first = {"tau": 2.25, "interval": [2.2, 2.3], "num_samples": 126, "missing": []}
+    check = bench.grown(first, _run(STAGES, 2.5, 2.0), on_first)["out_of_sample"]
+    assert check["inside_interval"] is False  # on the 2x run's own val samples
+    assert check["measured_offline_first_val"] == on_first
+    assert check["inside_interval_first_val"] is True
+    assert (
+        "measured_offline_first_val"
+        not in bench.grown(first, _run(STAGES, 2.5, 2.0))["out_of_sample"]
+    )
+
+
+def test_the_first_runs_val_ids_are_kept_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "data/hidden_states").mkdir(parents=True)
+    samples = {"b": {"split": "val"}, "a": {"split": "val"}, "c": {"split": "train"}}
+    manifest = tmp_path / "data/hidden_states/manifest.json"
+    manifest.write_text(json.dumps({"samples": samples}))
+    (tmp_path / "params.yaml").write_text("profile: smollm2\n")
+    monkeypatch.setattr(bench, "REPO", tmp_path)
+    monkeypatch.setattr(bench, "FIRST_VAL_IDS", tmp_path / "ids.json")
+    bench.keep_first_val_ids()
+    assert json.loads((tmp_path / "ids.json").read_text()) == ["a", "b"]
+    # a second 2x run: the store is the 2x run's, the first run's ids stay
+    samples["d"] = {"split": "val"}
+    manifest.write_text(json.dumps({"samples": samples}))
+    (tmp_path / "params.yaml").write_text("profile: smollm2-2x\n")
+    bench.keep_first_val_ids()
+    assert json.loads((tmp_path / "ids.json").read_text()) == ["a", "b"]
 
 
 def test_served_block_is_compact_per_set() -> None:

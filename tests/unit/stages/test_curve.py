@@ -38,12 +38,19 @@ def _counts(fraction: float) -> curve.Counts:
     return curve.Counts([10] * len(VAL), [ACCEPTED[fraction] + i % 3 for i in range(len(VAL))])
 
 
-def _fake_simulate(params: Params, dirs: dict[str, Path]):
-    """Counts as if each drafter were simulated: the fraction's from its folder's name."""
+def _fake_simulate(params: Params, dirs: dict[str, Path], only: set[str] | None = None):
+    """Counts as if each drafter were simulated: the fraction's from its folder's name (a
+    folder named otherwise counts as the full run's); with `only`, those val samples alone."""
+    ids = curve.val_ids(VAL, None, only)
     counts = {}
     for name, folder in dirs.items():
-        counts[name] = _counts(1.0 if name == "full" else float(folder.parent.name))
-    return VAL, counts
+        try:
+            got = _counts(1.0 if name == "full" else float(folder.parent.name))
+        except ValueError:
+            got = _counts(1.0)
+        keep = [i for i, sid in enumerate(VAL) if sid in ids]
+        counts[name] = curve.Counts([got.drafts[i] for i in keep], [got.accepted[i] for i in keep])
+    return ids, counts
 
 
 @pytest.fixture
@@ -249,6 +256,24 @@ def test_run_refuses_a_store_without_val_samples(
     with pytest.raises(StoreError) as err:
         curve.run(params)
     assert str(err.value) == f"{paths.HIDDEN_STATES}: no val samples: raise prepare.val_ratio"
+
+
+def test_val_ids_takes_the_first_ones_or_exactly_those_asked_for() -> None:
+    val = ["c", "a", "b", "d"]
+    assert curve.val_ids(val, None, None) == ["a", "b", "c", "d"]
+    assert curve.val_ids(val, 2, None) == ["a", "b"]
+    # an earlier run's val samples: however many, the ones this store holds
+    assert curve.val_ids(val, 2, {"d", "b", "x"}) == ["b", "d"]
+    with pytest.raises(StoreError, match="no val samples"):
+        curve.val_ids([], None, None)
+
+
+def test_measure_on_an_earlier_runs_val_samples(workspace: Path) -> None:
+    got = curve.measure_on(make_params(CURVE), Path("models/drafter"), [*VAL[:10], "gone"])
+    assert got["num_samples"] == 10 and got["missing"] == ["gone"]
+    accepted = [ACCEPTED[1.0] + i % 3 for i in range(10)]
+    assert got["per_sample"] == {"drafts": [10] * 10, "accepted": accepted}
+    assert got["tau"] == round(1 + sum(accepted) / 100, 4)
 
 
 def test_epochs_reads_the_series_and_where_it_peaks(tmp_path: Path) -> None:
