@@ -91,7 +91,7 @@ def result(wall_s: float | None, ran_at: str) -> dict:
         "machine": f"{os.cpu_count()} CPU cores, no GPU",
         "prompts": prepared,
         "prompts_synthesized": stats.get("kept", 0),
-        "train_tokens": next(p["train_tokens"] for p in points if p["fraction"] == 1.0),
+        "train_tokens": _train_tokens(points),
         "wall_s": round(wall_s, 1) if wall_s is not None else None,
         "stage_s": stages,
         "num_speculative_tokens": ev["num_speculative_tokens"],
@@ -121,6 +121,16 @@ def result(wall_s: float | None, ran_at: str) -> dict:
             "tau_by_epoch": (curve.get("epochs") or {}).get("tau_by_epoch"),
         },
     }
+
+
+def _train_tokens(points: list[dict]) -> int:
+    """The full run's training tokens: its curve point's, or (a run without fractions, the 2x
+    one) counted as the curve counts them, over the tokenized training rows."""
+    full = next((p["train_tokens"] for p in points if p["fraction"] == 1.0), None)
+    if full is not None:
+        return full
+    with (REPO / "data/tokenized/train.jsonl").open() as rows:
+        return sum(len(json.loads(line)["input_ids"]) for line in rows)
 
 
 def served(ev: dict) -> dict | None:
@@ -266,13 +276,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-run", action="store_true", help="only write the result file")
     ap.add_argument("--grow", action="store_true", help="the 2x run, in the first run's workspace")
+    ap.add_argument(
+        "--wall-s",
+        type=float,
+        default=None,
+        help="with --no-run: the run's wall time, measured outside (a run whose result step "
+        "failed after its stages finished)",
+    )
     args = ap.parse_args()
     if args.grow:
-        return grow(args.no_run)
+        return grow(args.no_run, args.wall_s)
     wall, ran_at = None, commit()
     if args.no_run and OUT.is_file():  # the run's own facts stay: its commit and wall time
         before = json.loads(OUT.read_text())
         wall, ran_at = before.get("wall_s"), before.get("commit") or ran_at
+    if args.no_run and args.wall_s is not None:
+        wall = args.wall_s
     if not args.no_run:
         if dirty():
             print(f"uncommitted changes {dirty()}: commit first, the result names the commit")
@@ -292,9 +311,10 @@ def main() -> int:
     return 0
 
 
-def grow(no_run: bool) -> int:
+def grow(no_run: bool, wall_s: float | None = None) -> int:
     """The second run (`--grow`): smollm2-2x in the first run's workspace; the result file keeps
-    the first run's record and gains `grown`, `growth` and `curve.out_of_sample`."""
+    the first run's record and gains `grown`, `growth` and `curve.out_of_sample`. With `no_run`,
+    `wall_s` (if given) is the run's wall time, measured outside."""
     if not OUT.is_file():
         print(f"{OUT}: no first run recorded: run `make bench-real` first")
         return 1
@@ -316,6 +336,8 @@ def grow(no_run: bool) -> int:
         wall = time.monotonic() - t0
     elif first.get("grown"):
         wall, ran_at = first["grown"].get("wall_s"), first["grown"].get("commit") or ran_at
+    if no_run and wall_s is not None:
+        wall = wall_s
     second = result(wall, ran_at)
     record = {k: v for k, v in first.items() if k not in ("grown", "growth")}
     checked = grown(first, second, measure_on_first_val())

@@ -79,6 +79,19 @@ def test_the_first_runs_val_ids_are_kept_once(
     assert json.loads((tmp_path / "ids.json").read_text()) == ["a", "b"]
 
 
+def test_train_tokens_without_curve_points_count_the_training_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 2x run trains no fractions: its tokens are counted as the curve counts a point's."""
+    rows = tmp_path / "data/tokenized/train.jsonl"
+    rows.parent.mkdir(parents=True)
+    rows.write_text("".join(json.dumps({"input_ids": [1] * n}) + "\n" for n in (3, 5)))
+    monkeypatch.setattr(bench, "REPO", tmp_path)
+    assert bench._train_tokens([]) == 8
+    assert bench._train_tokens([{"fraction": 0.5, "train_tokens": 4}]) == 8
+    assert bench._train_tokens([{"fraction": 1.0, "train_tokens": 9}]) == 9
+
+
 def test_served_block_is_compact_per_set() -> None:
     window = {"tokens": [0, 63], "mean_acceptance_length": 2.5}
     kinds = {k: {"count": 1, "mean_acceptance_length": 2.0} for k in ("looping", "cut", "finished")}
