@@ -80,9 +80,7 @@ def result(wall_s: float | None, ran_at: str) -> dict:
     check = curve.get("check") or {}
     stats = read("data/synthesized/stats.json")
     prepared = sum(1 for s in ("train", "val") for _ in (REPO / f"data/prepared/{s}.jsonl").open())
-    stages = {}
-    for rec in sorted((REPO / "metrics/provenance").glob("*.json")):
-        stages[rec.stem] = round(float(json.loads(rec.read_text()).get("duration_s") or 0), 1)
+    stages = stage_seconds((params.get("curve") or {}).get("fractions") or [])
     return {
         "commit": ran_at,
         "served": served(ev),
@@ -121,6 +119,19 @@ def result(wall_s: float | None, ran_at: str) -> dict:
             "tau_by_epoch": (curve.get("epochs") or {}).get("tau_by_epoch"),
         },
     }
+
+
+def stage_seconds(fractions: list[float]) -> dict[str, float]:
+    """Each stage's seconds from its provenance record; a learning-curve fraction's only when
+    the profile lists it (the 2x run trains none: the records left are the first run's)."""
+    listed = {str(f) for f in fractions}
+    stages = {}
+    for rec in sorted((REPO / "metrics/provenance").glob("*.json")):
+        fraction = rec.stem.partition("curve_train@")[2]
+        if fraction and fraction not in listed:
+            continue
+        stages[rec.stem] = round(float(json.loads(rec.read_text()).get("duration_s") or 0), 1)
+    return stages
 
 
 def _train_tokens(points: list[dict]) -> int:

@@ -92,6 +92,18 @@ def test_train_tokens_without_curve_points_count_the_training_rows(
     assert bench._train_tokens([{"fraction": 1.0, "train_tokens": 9}]) == 9
 
 
+def test_stage_seconds_leave_out_fractions_the_profile_no_longer_lists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records = tmp_path / "metrics/provenance"
+    records.mkdir(parents=True)
+    for stage, s in (("train", 10.04), ("curve_train@0.5", 3.0), ("curve_train@0.25", 2.0)):
+        (records / f"{stage}.json").write_text(json.dumps({"duration_s": s}))
+    monkeypatch.setattr(bench, "REPO", tmp_path)
+    assert bench.stage_seconds([0.5]) == {"curve_train@0.5": 3.0, "train": 10.0}
+    assert bench.stage_seconds([]) == {"train": 10.0}
+
+
 def test_served_block_is_compact_per_set() -> None:
     window = {"tokens": [0, 63], "mean_acceptance_length": 2.5}
     kinds = {k: {"count": 1, "mean_acceptance_length": 2.0} for k in ("looping", "cut", "finished")}
