@@ -11,7 +11,7 @@ in-process in its own worker process (this script with --worker; vLLM's KV conne
 process-global, so a plain engine beside the stage's would inherit it), started once each, one
 after the other (start not timed), then timed passes over all batches:
 
-* stage: `extraction.open_backend(params, layer_ids, ...)`'s batch function per batch, and the
+* stage: `extraction.open_backend(backend, verifier, ...)`'s batch function per batch, and the
   stage's `write_batch` on one writer thread, journaled per batch, as stages/extract.py runs
   them (batch n written while batch n+1 computes; the pass ends when the last write is
   journaled). Layer ids and store layout as the stage makes them. Files go to a temp dir.
@@ -105,11 +105,10 @@ def plan(params_path: str, samples: int | None):
     from eagle3_pipeline.verifier import identity as vf
 
     params = load_params(params_path)
-    n_layers, hidden, _ = vf.shape(vf.read_config(params.verifier.path))
+    verifier = vf.read_verifier(params.verifier)
+    n_layers, hidden = verifier.num_layers, verifier.hidden_size
     aux = store_aux_layer_ids(params.layers, n_layers)
-    layout = store.StoreLayout(
-        aux, n_layers, hidden, params.extract.store_dtype, vf.identity(params)
-    )
+    layout = store.StoreLayout(aux, n_layers, hidden, params.extract.store_dtype, verifier.identity)
     rows = first_samples(paths.TOKENIZED, samples)
     lengths = {i: len(r["input_ids"]) for i, r in rows.items()}
     return params, layout, rows, token_budget_batches(lengths, params.extract.max_tokens_per_batch)
@@ -118,9 +117,18 @@ def plan(params_path: str, samples: int | None):
 def bare_engine_kwargs(params, layer_ids: list[int], tmp: Path) -> dict:
     """The stage engine's kwargs without the hidden-state capture (method and connector)."""
     from eagle3_pipeline.serving.hidden_states import engine_kwargs
+    from eagle3_pipeline.verifier.identity import read_verifier
 
     drop = ("speculative_config", "kv_transfer_config")
-    return {k: v for k, v in engine_kwargs(params, layer_ids, tmp).items() if k not in drop}
+    kwargs = engine_kwargs(
+        read_verifier(params.verifier),
+        params.vllm,
+        layer_ids,
+        tmp,
+        max_tokens_per_batch=params.extract.max_tokens_per_batch,
+        seed=params.seed,
+    )
+    return {k: v for k, v in kwargs.items() if k not in drop}
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -132,9 +140,18 @@ def worker(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         if args.worker == "stage":
             from eagle3_pipeline.store.extraction import open_backend
+            from eagle3_pipeline.verifier.identity import read_verifier
 
             run_batch = stack.enter_context(
-                open_backend(params, layout.layer_ids, tmp / "vllm-files")
+                open_backend(
+                    params.extract.backend,
+                    read_verifier(params.verifier),
+                    params.vllm,
+                    layout.layer_ids,
+                    tmp / "vllm-files",
+                    max_tokens_per_batch=params.extract.max_tokens_per_batch,
+                    seed=params.seed,
+                )
             )
 
             def one_pass(tag: str) -> float:

@@ -155,8 +155,8 @@ def main(argv: list[str]) -> int:
     params = params.model_copy(
         update={"train": params.train.model_copy(update={"epochs": a.epochs})}
     )
-    n_layers, _, _ = vf.shape(vf.read_config(params.verifier.path))
-    conventions = run_conventions(params, n_layers)
+    verifier = vf.read_verifier(params.verifier)
+    conventions = run_conventions(params.layers, params.train, verifier.num_layers)
     full, n_train, tokens = _samples(data, keep_train_files=True)
     if len(store.read_manifest(data / "hidden_states")["samples"]) < len(full):
         print("the store lacks train samples (an online-mode run?): run the store profile")
@@ -178,7 +178,9 @@ def main(argv: list[str]) -> int:
             )
 
         layer_ids = [*conventions.aux_layer_ids, conventions.final_layer_id]
-        spec = hidden_state_spec(params, layer_ids, work / "served", work / "vllm.log")
+        spec = hidden_state_spec(
+            verifier, params.vllm, layer_ids, work / "served", work / "vllm.log"
+        )
         t0 = time.monotonic()
         with serve(spec) as url:
             start_s = time.monotonic() - t0

@@ -158,6 +158,7 @@ def bench_extract(tmp: Path) -> dict | None:
     from eagle3_pipeline.stages import extract
     from eagle3_pipeline.store import extraction
     from eagle3_pipeline.verifier import loading
+    from eagle3_pipeline.verifier.identity import read_verifier
 
     verifier = REPO / "data/verifier"
     tokenized = REPO / "data/tokenized"
@@ -182,7 +183,7 @@ def bench_extract(tmp: Path) -> dict | None:
     batches = extract.token_budget_batches(lengths, 4096)
 
     def bare() -> None:
-        model = loading.load_model(params)
+        model = loading.load_model(read_verifier(params.verifier))
         base = getattr(model, "model", model)
         for b in batches:
             ids = [by_id[s] for s in b]

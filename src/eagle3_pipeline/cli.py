@@ -301,8 +301,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.stage == "store":
             from eagle3_pipeline.store import verify as store_verify
+            from eagle3_pipeline.verifier.identity import read_verifier
 
-            return store_verify.main(params, store_dir=args.store)
+            verifier = read_verifier(params.verifier)
+            return store_verify.main(verifier, params.layers, store_dir=args.store)
         from eagle3_pipeline.harness import provenance
 
         if args.stage == "provenance":

@@ -228,7 +228,8 @@ def proof(root: Path, n_samples: int = 16, steps: int = 30) -> dict[str, float]:
     published = train_published(verifier, target_ids, train, steps, lr=1e-2)
     flat = save_legacy_flat(published, root / "published", SGLANG_AUX)
 
-    carried = run_conventions(run_params(verifier, flat, PUBLISHED_AUX), N_LAYERS)
+    run = run_params(verifier, flat, PUBLISHED_AUX)
+    carried = run_conventions(run.layers, run.train, N_LAYERS)
     old = RunConventions(SGLANG_AUX, N_LAYERS, dict(TRAINER_DEFAULT_FLAGS), {})
     drafters = {
         "published": (published, PUBLISHED_AUX),

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.verifier import loading
+from eagle3_pipeline.verifier.identity import read_verifier
 
 N_LAYERS = 3
 AUX_IDS = [2, 1]  # out of order: vLLM returns them ascending (id 0: test_tiny_kimi.py)
@@ -14,4 +15,4 @@ AUX_IDS = [2, 1]  # out of order: vLLM returns them ascending (id 0: test_tiny_k
 
 def load_hf(verifier: Path):
     params = Params.model_validate({"verifier": {"source": "pretrained", "path": str(verifier)}})
-    return loading.load_model(params)
+    return loading.load_model(read_verifier(params.verifier))

@@ -27,7 +27,7 @@ def build_tiny_verifier(out: Path, **tiny: object) -> Path:
         {"verifier": {"tiny": shape | tiny}, "vocab": {"draft_vocab_size": 256}}
     )
     out.mkdir(parents=True)
-    stage.build_tiny(params, out)
+    stage.build_tiny(params.verifier.tiny, params.seed, out)
     return out
 
 
@@ -58,7 +58,7 @@ def build_tiny_dsv3_verifier(out: Path, **tiny: object) -> Path:
         }
     )
     out.mkdir(parents=True)
-    stage.build_tiny(params, out)
+    stage.build_tiny(params.verifier.tiny, params.seed, out)
     return out
 
 

@@ -18,9 +18,11 @@ import pytest
 import torch
 from extract_llama_case import AUX_IDS, N_LAYERS, make_params, write_tokenized
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.serving import hidden_states as vllm_extract
 from eagle3_pipeline.stages import extract
 from eagle3_pipeline.store import format as store
+from eagle3_pipeline.verifier.identity import read_verifier
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +31,21 @@ def verifier(tiny_verifier_dir: Path) -> Path:
     return tiny_verifier_dir
 
 
+def _engine_kwargs(params: Params) -> dict:
+    return vllm_extract.engine_kwargs(
+        read_verifier(params.verifier),
+        params.vllm,
+        [*AUX_IDS, N_LAYERS],
+        Path("scratch"),
+        max_tokens_per_batch=params.extract.max_tokens_per_batch,
+        seed=params.seed,
+    )
+
+
 @pytest.mark.vllm  # imports vLLM (through the CPU connector module)
 def test_engine_kwargs_disable_prefix_caching_and_keep_chunked_prefill(verifier) -> None:
     params = make_params(verifier, "vllm")
-    kw = vllm_extract.engine_kwargs(params, [*AUX_IDS, N_LAYERS], Path("scratch"))
+    kw = _engine_kwargs(params)
     assert kw["enable_prefix_caching"] is False and "enable_chunked_prefill" not in kw
     spec = kw["speculative_config"]
     assert spec["method"] == "extract_hidden_states"
@@ -72,7 +85,7 @@ def test_connector_is_chosen_by_the_process_that_loads_it(monkeypatch, tmp_path)
 def test_extra_args_cannot_turn_on_prefix_caching(verifier) -> None:
     params = make_params(verifier, "vllm")
     params.vllm.extra_args = ["--enable-prefix-caching", "--dtype", "bfloat16", "--api-key", "k"]
-    kw = vllm_extract.engine_kwargs(params, [*AUX_IDS, N_LAYERS], Path("scratch"))
+    kw = _engine_kwargs(params)
     assert kw["enable_prefix_caching"] is False and kw["dtype"] == "bfloat16"
     assert "api_key" not in kw  # a server-only flag
 

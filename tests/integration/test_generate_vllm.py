@@ -30,6 +30,7 @@ from eagle3_pipeline.core import resume
 from eagle3_pipeline.serving import server as vllm_server
 from eagle3_pipeline.serving.chat import ChatClient
 from eagle3_pipeline.stages import generate
+from eagle3_pipeline.verifier.identity import read_verifier
 
 N_ROWS = 24
 SAMPLING = {"temperature": 1.0, "max_new_tokens": 48, "chat_template_kwargs": {"thinking": True}}
@@ -45,7 +46,7 @@ def served(vllm_verifier: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     """One real server for the module, started as the stage starts its own."""
     tag = uuid.uuid4().hex
     params = vllm_params(vllm_verifier, **SAMPLING)
-    spec = generate.server_spec(params)
+    spec = generate.server_spec(params, read_verifier(params.verifier))
     spec.log_file = tmp_path_factory.mktemp("server") / "server.log"
     spec.env = {TAG_VAR: tag}
     with vllm_server.serve(spec) as url:

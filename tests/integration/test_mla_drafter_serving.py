@@ -74,9 +74,8 @@ def verifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "train_seq_len": 64,
     }
     layers = {"aux_layer_ids": AUX, "final_layer_id": N_LAYERS}
-    verifier_stage.build_tiny(
-        Params.model_validate({"verifier": {"tiny": tiny}, "layers": layers}), out
-    )
+    params = Params.model_validate({"verifier": {"tiny": tiny}, "layers": layers})
+    verifier_stage.build_tiny(params.verifier.tiny, params.seed, out)
     weights = load_file(out / "model.safetensors")
     last = f"language_model.model.layers.{N_LAYERS - 1}."
     zeroed = [
@@ -211,7 +210,9 @@ def test_flat_drafter_served_beside_mla_verifier_raises_no_alarm(served: dict, c
         served["offline_summary"]["acceptance_per_position"],
     )
     same = served["offline_same"]
-    out = rules.online_verdict(right, offline_mal, [], PARAMS, served["right_verdict"], same)
+    out = rules.online_verdict(
+        right, offline_mal, [], PARAMS.evaluate, served["right_verdict"], same
+    )
     assert out["mismatch"] is False and out["lossless"]["verdict"] != "diverged"
     # Like for like, the walk through the served answers: they stop at max_tokens, where vLLM
     # still verifies the last drafts (counted as rejected here), so vLLM may be the higher, by at
@@ -237,7 +238,9 @@ def test_shifted_aux_ids_fire_the_mismatch_alarm(served: dict, capsys) -> None:
     assert shifted["num_drafts"] > 0
     assert shifted["mean_acceptance_length"] < 1 + 0.5 * (offline_mal - 1), shifted
     same = served["offline_same"]
-    out = rules.online_verdict(shifted, offline_mal, [], PARAMS, served["shifted_verdict"], same)
+    out = rules.online_verdict(
+        shifted, offline_mal, [], PARAMS.evaluate, served["shifted_verdict"], same
+    )
     assert (
         out["mismatch"] is True and out["mismatch_rule"]["compared_with"] == "offline_same_prompts"
     )

@@ -25,6 +25,7 @@ from eagle3_pipeline.core import atomic, paths, resume
 from eagle3_pipeline.core.errors import ServerDown, ServerError
 from eagle3_pipeline.serving import server as vllm_server
 from eagle3_pipeline.stages import evaluate, generate
+from eagle3_pipeline.verifier.identity import read_verifier
 
 N_ROWS = 10
 # Greedy, one request at a time: each row is computed alone, so rows answered by two servers
@@ -42,7 +43,8 @@ RUNNING = "vllm:num_requests_running"
 @pytest.fixture(scope="module")
 def served(tiny_verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One server for the module's reruns and reference run, started as the stage's own."""
-    spec = generate.server_spec(vllm_params(tiny_verifier_dir, **GREEDY))
+    params = vllm_params(tiny_verifier_dir, **GREEDY)
+    spec = generate.server_spec(params, read_verifier(params.verifier))
     spec.log_file = tmp_path_factory.mktemp("served") / "server.log"
     with vllm_server.serve(spec) as url:
         yield url

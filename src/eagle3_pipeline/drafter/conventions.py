@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from eagle3_pipeline.config.layer_ids import resolve_layer_ids
-from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.config.params import LayersParams
+from eagle3_pipeline.config.training_params import TrainParams
 from eagle3_pipeline.core import readers
 from eagle3_pipeline.core.errors import CheckpointError
 
@@ -214,20 +215,22 @@ def _value(v: Any) -> str:
 
 
 def resolve(
-    params: Params,
+    layers: LayersParams,
+    train: TrainParams,
     num_layers: int,
     init: tuple[dict[str, Any], Path] | None,
     where: str = "params.yaml",
 ) -> RunConventions:
-    """The run's conventions from params and the init checkpoint's config (module doc)."""
-    aux, final = resolve_layer_ids(params.layers, num_layers, where=where)
-    explicit = params.train.flags.model_dump()
+    """The run's conventions from params' `layers` and `train` and the init checkpoint's config
+    (module doc)."""
+    aux, final = resolve_layer_ids(layers, num_layers, where=where)
+    explicit = train.flags.model_dump()
     if init is None:
         flags = {k: TRAINER_DEFAULT_FLAGS[k] if v is None else v for k, v in explicit.items()}
         sources = {k: "speculators default" if v is None else "params" for k, v in explicit.items()}
         # A family that is defined by its wiring (EAGLE-3.1) sets it over train.flags, which
         # every families branch shares with train's drafter.
-        family = params.train.family
+        family = train.family
         fixed = family.wiring()
         flags |= fixed
         sources |= dict.fromkeys(fixed, f"family {family.name}")
@@ -252,7 +255,7 @@ def resolve(
         if v is not None and v != ck.flags[k]:
             differ.append(f"train.flags.{k} {_value(v)} vs the checkpoint's {_value(ck.flags[k])}")
     _check_flags(flags, where)
-    if differ and params.train.init_mismatch == "refuse":
+    if differ and train.init_mismatch == "refuse":
         raise CheckpointError(
             f"{where}: params differ from the init checkpoint {file} ({'; '.join(differ)}): its "
             "tensors were trained with the checkpoint's values; write those (a null train.flags "
@@ -270,7 +273,9 @@ def _check_flags(flags: dict[str, bool], where: str) -> None:
         )
 
 
-def run_conventions(params: Params, num_layers: int, where: str = "params.yaml") -> RunConventions:
+def run_conventions(
+    layers: LayersParams, train: TrainParams, num_layers: int, where: str = "params.yaml"
+) -> RunConventions:
     """The conventions of this run, reading `train.init_from`'s config.json when set."""
-    init = read_init_config(params.train.init_from) if params.train.init_from else None
-    return resolve(params, num_layers, init, where)
+    init = read_init_config(train.init_from) if train.init_from else None
+    return resolve(layers, train, num_layers, init, where)

@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from eagle3_pipeline.config.families import FamilyParams
 from eagle3_pipeline.core.errors import ParamsError
+from eagle3_pipeline.verifier.identity import VerifierFacts
 
 
 def resolve_mask_token(
@@ -86,18 +88,18 @@ def _check_rows(token_id: int, rows: Iterable[list[int]], at: str) -> None:
 
 
 def for_run(
-    params: Any, rows: list[list[int]], family_key: str = "train.family"
+    family: FamilyParams,
+    verifier: VerifierFacts,
+    rows: list[list[int]],
+    family_key: str = "train.family",
 ) -> tuple[int, str] | None:
-    """The run's (mask id, how chosen) when its family drafts with one (params: Params;
-    `family_key`: where params.yaml holds the family, for the error lines)."""
-    family = params.train.family
+    """The run's (mask id, how chosen) when its family drafts with one (`family_key`: where
+    params.yaml holds the family, for the error lines)."""
     if not family.uses_mask_token:
         return None
-    from eagle3_pipeline.verifier import identity as vf
     from eagle3_pipeline.verifier.loading import load_tokenizer
 
-    _, _, vocab_size = vf.shape(vf.read_config(params.verifier.path))
     field = f"{family_key}.mask_token_id"
     return resolve_mask_token(
-        load_tokenizer(params), vocab_size, family.mask_token_id, rows, field=field
+        load_tokenizer(verifier), verifier.vocab_size, family.mask_token_id, rows, field=field
     )

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import CheckpointError
 from eagle3_pipeline.drafter.conventions import RunConventions, read_conventions
 from eagle3_pipeline.verifier import identity as vf
@@ -81,7 +80,7 @@ def drafter_from_init(config: dict[str, Any], where: Path) -> DrafterShape:
 
 
 def drafter_from_verifier(
-    config: dict[str, Any], params: Params, conventions: RunConventions
+    config: dict[str, Any], draft_vocab_size: int, conventions: RunConventions
 ) -> DrafterShape:
     """What speculators builds without an init checkpoint: a Llama layer shaped like the verifier.
 
@@ -99,7 +98,7 @@ def drafter_from_verifier(
         source="verifier config + speculators defaults (no train.init_from)",
         hidden_size=hidden,
         target_vocab_size=int(tc["vocab_size"]),
-        draft_vocab_size=params.vocab.draft_vocab_size,
+        draft_vocab_size=draft_vocab_size,
         aux_layer_ids=conventions.aux_layer_ids,
         intermediate_size=int(tc.get("intermediate_size") or 3 * hidden),
         num_attention_heads=heads,

@@ -7,7 +7,7 @@ agree. evaluation/online.py serves the verifier with and without the drafter and
 measured this way.
 
 `Settings` are identical for both runs so that throughputs compare; the knobs params.yaml sets
-(`evaluate.*`) default to params' own defaults (`Settings.from_params` is what the stage uses).
+(`evaluate.*`) default to params' own defaults (`Settings.of` is what the stage uses).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import requests
 
-from eagle3_pipeline.config.params import EvaluateParams, Params
+from eagle3_pipeline.config.params import EvaluateParams
 from eagle3_pipeline.core.errors import ServerDown, ServerError
 from eagle3_pipeline.evaluation import losslessness as lossless
 from eagle3_pipeline.evaluation import served
@@ -66,16 +66,15 @@ class Settings:
     speedup_max_spread: float = _EVALUATE.speedup_max_spread  # evaluation/speedup.py
 
     @classmethod
-    def from_params(cls, params: Params) -> Settings:
-        """The settings of the `evaluate` stage (and every `family_eval@NAME`): evaluate.*, and
-        generate's chat template kwargs."""
-        e = params.evaluate
+    def of(cls, e: EvaluateParams, chat_template_kwargs: dict[str, Any]) -> Settings:
+        """The settings of the `evaluate` stage (and every `family_eval@NAME`): params'
+        `evaluate` section, and generate's chat template kwargs."""
         return cls(
             num_speculative_tokens=e.num_speculative_tokens,
             max_new_tokens=e.max_new_tokens,
             # Both runs use it, so the ratio is fair; 1 = the latency a single user sees.
             concurrency=e.concurrency,
-            chat_template_kwargs=dict(params.generate.chat_template_kwargs),
+            chat_template_kwargs=dict(chat_template_kwargs),
             top_logprobs=e.top_logprobs,
             near_tie_nats=e.near_tie_nats,
             throughput_concurrency=tuple(e.throughput_concurrency),

@@ -29,6 +29,7 @@ from eagle3_pipeline.evaluation import offline
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.store.extraction import open_backend, token_budget_batches
 from eagle3_pipeline.verifier import identity as vf
+from eagle3_pipeline.verifier.identity import VerifierFacts
 
 STAGE = "probe-layers"
 WORK_DIR = paths.SCRATCH / "probe"
@@ -74,17 +75,26 @@ def probe_rows(limit: int) -> list[dict[str, Any]]:
 
 
 def extract(
-    params: Params, rows: list[dict[str, Any]], layout: store.StoreLayout, backend: str
+    params: Params,
+    verifier: VerifierFacts,
+    rows: list[dict[str, Any]],
+    layout: store.StoreLayout,
+    backend: str,
 ) -> dict[str, dict[str, Any]]:
     """Hidden states of `rows` at layout.layer_ids into WORK_DIR; their store entries by id."""
     entries: dict[str, dict[str, Any]] = {}
     progress = Progress(STAGE, sum(len(r["input_ids"]) for r in rows), unit="tok")
-    chosen = params.model_copy(
-        update={"extract": params.extract.model_copy(update={"backend": backend})}
-    )
     by_id = {r["id"]: r for r in rows}
     lengths = {r["id"]: len(r["input_ids"]) for r in rows}
-    with open_backend(chosen, layout.layer_ids, WORK_DIR / "vllm") as run_batch:
+    with open_backend(
+        backend,
+        verifier,
+        params.vllm,
+        layout.layer_ids,
+        WORK_DIR / "vllm",
+        max_tokens_per_batch=params.extract.max_tokens_per_batch,
+        seed=params.seed,
+    ) as run_batch:
         for ids in token_budget_batches(lengths, params.extract.max_tokens_per_batch):
             batch = [by_id[i] for i in ids]
             states = run_batch([r["input_ids"] for r in batch])
@@ -114,8 +124,8 @@ def run(
         raise ParamsError(
             "probe-layers: no drafter to probe: set train.init_from (or pass --drafter PATH)"
         )
-    config = vf.read_config(params.verifier.path)
-    n_layers, hidden, _ = vf.shape(config)
+    verifier = vf.read_verifier(params.verifier)
+    n_layers, hidden = verifier.num_layers, verifier.hidden_size
     _, final = resolve_layer_ids(params.layers, n_layers)
     k = params.evaluate.num_speculative_tokens
     device, dtype = drafter_load.compute_placement()
@@ -124,9 +134,7 @@ def run(
     check_id_sets(id_sets, final, n_aux, str(path))
     rows = probe_rows(samples)
     union = sorted({i for ids in id_sets for i in ids})
-    layout = store.StoreLayout(
-        union, final, hidden, params.extract.store_dtype, vf.identity(params)
-    )
+    layout = store.StoreLayout(union, final, hidden, params.extract.store_dtype, verifier.identity)
     backend = backend or params.extract.backend
     log(
         STAGE,
@@ -135,10 +143,10 @@ def run(
     )
     shutil.rmtree(WORK_DIR, ignore_errors=True)
     try:
-        entries = extract(params, rows, layout, backend)
+        entries = extract(params, verifier, rows, layout, backend)
         head = offline.VerifierHead(
             params.verifier.path,
-            float(vf.text_config(config).get("rms_norm_eps", 1e-6)),
+            float(verifier.text.get("rms_norm_eps", 1e-6)),
             device,
             dtype,
         )

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.config.params import EvaluateParams
 from eagle3_pipeline.core import paths
 from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.core.progress import log
@@ -44,7 +44,7 @@ def online_verdict(
     section: dict[str, Any],
     offline_mal: float,
     mismatched: list[str],
-    params: Params,
+    e: EvaluateParams,
     verdict: Verdict | None = None,
     offline_same: dict[str, Any] | None = None,
     drafter_dir: Path = paths.DRAFTER,
@@ -53,9 +53,8 @@ def online_verdict(
 
     With `offline_same` (the simulation on the online run's prompts and positions, with
     drafts) the alarm is evaluate.mismatch_tolerance against it; else mismatch_ratio against
-    `offline_mal`.
+    `offline_mal`. `e`: params' `evaluate` section.
     """
-    e = params.evaluate
     mal = section["mean_acceptance_length"]
     if offline_same is not None and offline_same.get("num_drafts"):
         reference = offline_same["mean_acceptance_length"]

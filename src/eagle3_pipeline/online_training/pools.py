@@ -36,8 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.cluster import engine
-from eagle3_pipeline.config.params import Params
-from eagle3_pipeline.config.training_params import ClusterParams, OnlineParams
+from eagle3_pipeline.config.params import VllmParams
+from eagle3_pipeline.config.training_params import (
+    ClusterParams,
+    MooncakeParams,
+    OnlineParams,
+    TrainParams,
+)
 from eagle3_pipeline.core.errors import ParamsError, ServerError
 from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.in_vllm import auth, entry_points
@@ -45,6 +50,7 @@ from eagle3_pipeline.in_vllm.server_entry import cpu_worker_in_engine_core
 from eagle3_pipeline.online_training.source import ENDPOINTS_VAR, OnlineSource
 from eagle3_pipeline.online_training.source import trainer_env as online_trainer_env
 from eagle3_pipeline.training.online_backend import LOCAL_HOSTNAME_VAR
+from eagle3_pipeline.verifier.identity import VerifierFacts
 
 STAGE = "train"
 MASTER_READY_S = 30.0
@@ -55,10 +61,9 @@ CPU_MOONCAKE_CONNECTOR = "CPUMooncakeHiddenStatesConnector"
 ONE_SERVER = "two servers on one Mooncake master: only CPU servers with their default executor"
 
 
-def uses_pools(params: Params) -> bool:
+def uses_pools(t: TrainParams, c: ClusterParams) -> bool:
     """Online training whose server this stage starts on a Ray cluster: separate pools."""
-    t = params.train
-    return params.cluster.engine == "ray" and t.hidden_states == "online" and not t.online.endpoint
+    return c.engine == "ray" and t.hidden_states == "online" and not t.online.endpoint
 
 
 def inference_count(c: ClusterParams) -> int:
@@ -233,13 +238,13 @@ def _healthy(source: OnlineSource) -> bool:
     return healthy(source.endpoint.removesuffix("/v1"), timeout_s=5.0)
 
 
-def mooncake_kv_config(params: Params, master: str, host: str) -> dict:
-    """hs_connectors' vLLM-side Mooncake config for a server on `host`, with our connector."""
+def mooncake_kv_config(m: MooncakeParams, master: str, host: str) -> dict:
+    """hs_connectors' vLLM-side Mooncake config for a server on `host`, with our connector
+    (`m`: params' train.online.mooncake)."""
     import argparse
 
     from hs_connectors import MooncakeBackend
 
-    m = params.train.online.mooncake
     parser = argparse.ArgumentParser()
     MooncakeBackend.add_launch_args(parser)
     args = parser.parse_args(
@@ -279,10 +284,16 @@ def _started(ref, what: str, node: engine.Node) -> str:
 
 
 @contextlib.contextmanager
-def inference_pool(params: Params, layer_ids: list[int], work: Path) -> Iterator[Pools]:
-    """Start the inference pool's server (and master); yield the pools; always stop both."""
-    c = params.cluster
-    o = params.train.online
+def inference_pool(
+    c: ClusterParams,
+    o: OnlineParams,
+    verifier: VerifierFacts,
+    v: VllmParams,
+    layer_ids: list[int],
+    work: Path,
+) -> Iterator[Pools]:
+    """Start the inference pool's server (and master) of `verifier` with params' `vllm`; yield
+    the pools; always stop both."""
     inference_count(c)  # refuse before connecting
     engine.connect(c)
     import ray
@@ -294,7 +305,7 @@ def inference_pool(params: Params, layer_ids: list[int], work: Path) -> Iterator
     from eagle3_pipeline.serving.hidden_states import clear_dir
 
     nodes = engine.choose_nodes(c)
-    preflight.check(nodes, c, params.verifier.path)
+    preflight.check(nodes, c, verifier.path)
     inference, training = split_pools(nodes, c)
     node = inference[0]
     log(
@@ -345,11 +356,11 @@ def inference_pool(params: Params, layer_ids: list[int], work: Path) -> Iterator
         starts = []
         for i, at in enumerate(serving):
             log_file = work / f"vllm-online-{i}.log"
-            spec = hidden_state_spec(params, layer_ids, storage / str(i), log_file)
+            spec = hidden_state_spec(verifier, v, layer_ids, storage / str(i), log_file)
             spec.host, spec.api_key = at.address, key  # the node's cluster address only
             if master:
                 spec.env = {**(spec.env or {}), LOCAL_HOSTNAME_VAR: at.address}
-                kv = mooncake_kv_config(params, master, at.address)
+                kv = mooncake_kv_config(o.mooncake, master, at.address)
                 spec.extra_args = _with_kv_config(spec.extra_args, kv)
             server = pinned(
                 ServerWorker, at, num_cpus=c.worker.num_cpus, num_gpus=c.worker.num_gpus

@@ -25,13 +25,14 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.config.params import VllmParams
 from eagle3_pipeline.config.training_params import OnlineParams
 from eagle3_pipeline.core.errors import DataError, ServerDown, ServerError, VerifierError
 from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.in_vllm import auth
 from eagle3_pipeline.serving.chat import API_KEY_VAR
 from eagle3_pipeline.training.online_backend import speculators_flags as backend_flags
+from eagle3_pipeline.verifier.identity import VerifierFacts
 
 # Largest |server - store| / max|store| per layer accepted by the pre-flight probe. The store
 # rounds to bf16 (relative error <= 2^-9 of each value) and vLLM's server and in-process engine
@@ -82,9 +83,11 @@ def speculators_flags(o: OnlineParams, endpoint: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def online_source(params: Params, layer_ids: list[int], work: Path) -> Iterator[OnlineSource]:
-    """The given endpoint, or a server of the verifier started here and always stopped after."""
-    o = params.train.online
+def online_source(
+    o: OnlineParams, verifier: VerifierFacts, v: VllmParams, layer_ids: list[int], work: Path
+) -> Iterator[OnlineSource]:
+    """The given endpoint (`o`: params' train.online), or a server of the verifier started here
+    with params' `vllm` and always stopped after."""
     if o.endpoint:
         endpoint = o.endpoint.rstrip("/")
         name = f"the vLLM server at {endpoint} (train.online.endpoint)"
@@ -97,7 +100,7 @@ def online_source(params: Params, layer_ids: list[int], work: Path) -> Iterator[
     storage = work / "online-hidden-states"
     clear_dir(storage)
     log_file = work / "vllm-online.log"
-    spec = hidden_state_spec(params, layer_ids, storage, log_file)
+    spec = hidden_state_spec(verifier, v, layer_ids, storage, log_file)
     spec.api_key = auth.run_key()
     log("train", f"starting vLLM with extract_hidden_states, layers {sorted(layer_ids)}")
     # Training waits on the server inside speculators' loader: a server that stops is answered

@@ -87,7 +87,7 @@ def _templated_prompt_tokens(params: Params, source: Path) -> tuple[int, int] | 
         return f"no tokenizer in {params.verifier.path}"
     try:
         rows = formats.load(source, params.prepare.trailing_assistant)
-        tokenizer = loading.load_tokenizer(params)
+        tokenizer = loading.load_tokenizer(params.verifier)
         kwargs = params.generate.chat_template_kwargs
         total = sum(
             len(

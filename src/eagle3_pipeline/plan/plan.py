@@ -146,7 +146,7 @@ def make_plan(
         raise missing[0]
     config, config_file, verifier_note = inputs.load_verifier_config(params, verifier_config, where)
     v = inputs.verifier_shape(config, str(config_file or f"{where} (verifier.tiny)"))
-    vf.check_remote_code(params, config, v.source)
+    vf.check_remote_code(config, params.verifier.trust_remote_code, v.source)
     tokenizer = checks.check_tokenizer(params, config_file)
     # Before any estimate: a verifier this vLLM cannot capture, or a template that does not
     # render, makes every number below moot (and the prompt estimate renders the template).
@@ -160,10 +160,10 @@ def make_plan(
         drafter = drafter_from_init(*init)
         checks.check_init(drafter, v, params, aux)
     # The rule train, export and evaluate apply: a mismatch with the checkpoint stops here.
-    run = conv.resolve(params, v.num_layers, init, where)
+    run = conv.resolve(params.layers, params.train, v.num_layers, init, where)
     aux, final = run.aux_layer_ids, run.final_layer_id
     if init is None:
-        drafter = drafter_from_verifier(config, params, run)
+        drafter = drafter_from_verifier(config, params.vocab.draft_vocab_size, run)
     groups = parameter_groups(drafter, len(aux), params.train.train_lm_head)
     weights, optimizer = estimates.checkpoint_bytes(groups, drafter)
     prompt = estimates.prompt_length(params)

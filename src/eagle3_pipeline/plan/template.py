@@ -85,9 +85,9 @@ def check_chat_template(params: Params, directory: Path | None, required: bool) 
     try:
         if not files:
             raise FileNotFoundError("no tokenizer_config.json nor tokenizer.json")
-        copy = params.model_copy(deep=True)
-        copy.verifier.path = str(directory)
-        tokenizer = loading.load_tokenizer(copy)
+        tokenizer = loading.load_tokenizer(
+            params.verifier.model_copy(update={"path": str(directory)})
+        )
     except Exception as exc:  # transformers raises what it likes on missing or damaged files
         if required:
             raise VerifierError(

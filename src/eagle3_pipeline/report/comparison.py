@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.config.families import Families, FamilyParams
 from eagle3_pipeline.core import paths, readers
 from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.evaluation import speedup
@@ -88,13 +88,16 @@ def _branch_learned(train: dict[str, Any]) -> str:
     return f"{number(twin.get('1'), '.3f')} -> {number(trained.get('1'), '.3f')} val acc@1"
 
 
-def rows(params: Params, metrics: Path = paths.METRICS) -> list[list[str]]:
-    """One row for `train`'s drafter, then one per `families` entry that has been evaluated."""
+def rows(
+    train_family: FamilyParams, families: Families, metrics: Path = paths.METRICS
+) -> list[list[str]]:
+    """One row for `train`'s drafter (of `train_family`), then one per `families` entry that
+    has been evaluated."""
     found = []
     if ev := _read(metrics / "eval.json", "evaluate"):
-        t = params.train.family
+        t = train_family
         found.append(_row("train", t.name, t.drafting, ev, _train_learned(ev)))
-    for name, family in params.families.items():
+    for name, family in families.items():
         if ev := _read(metrics / "families" / name / "eval.json", f"family_eval@{name}"):
             learned = _branch_learned(
                 _read(metrics / "families" / name / "train.json", f"family@{name}")

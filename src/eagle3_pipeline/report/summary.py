@@ -129,7 +129,7 @@ def _print_comparison(k: int) -> bool:
             "on the val prompts; best: the draft count with the most tokens/s):"
         )
         try:
-            print(comparison.table(comparison.rows(params)))
+            print(comparison.table(comparison.rows(params.train.family, params.families)))
         except PipelineError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return False

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.config.params import VllmParams
 from eagle3_pipeline.serving.hidden_states import (
     check_layer_ids,
     connector_config,
@@ -21,19 +21,22 @@ from eagle3_pipeline.serving.hidden_states import (
 )
 from eagle3_pipeline.serving.server import ServerSpec
 from eagle3_pipeline.serving.server_spec import engine_dtype, verifier_spec
-from eagle3_pipeline.verifier import identity as vf
+from eagle3_pipeline.verifier.identity import VerifierFacts
 
 
 def hidden_state_spec(
-    params: Params, layer_ids: list[int], storage_dir: Path, log_file: Path
+    verifier: VerifierFacts,
+    v: VllmParams,
+    layer_ids: list[int],
+    storage_dir: Path,
+    log_file: Path,
 ) -> ServerSpec:
     """A server returning [seq, len(layer_ids), hidden] per request, layers in ascending order."""
-    config = vf.read_config(params.verifier.path)
-    check_layer_ids(config, layer_ids)
+    check_layer_ids(verifier.config, layer_ids)
     ordered, _ = vllm_layer_order(layer_ids)
-    spec = verifier_spec(params, log_file, dtype=engine_dtype(config))
+    spec = verifier_spec(verifier, v, log_file, dtype=engine_dtype(verifier.config))
     # speculators' online dataloader asks for the model by the trainer's verifier path.
-    spec.served_model_name = params.verifier.path
+    spec.served_model_name = verifier.path
     spec.speculative_config = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,

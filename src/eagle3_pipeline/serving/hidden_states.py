@@ -28,13 +28,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.config.params import VllmParams
 from eagle3_pipeline.core.errors import DataError, VerifierError
 from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.in_vllm import entry_points
 from eagle3_pipeline.serving import in_process
 from eagle3_pipeline.serving.server_spec import engine_dtype, model_args
 from eagle3_pipeline.verifier import identity as vf
+from eagle3_pipeline.verifier.identity import VerifierFacts
 
 FAILED_SUFFIX = ".failed-"  # cpu_hs_connector.FAILED_SUFFIX, without importing vLLM
 # in_vllm/cpu_hs_connector.py and its platform-resolved name, without importing vLLM.
@@ -75,21 +76,28 @@ def check_layer_ids(config: dict[str, Any], layer_ids: list[int]) -> None:
         )
 
 
-def engine_kwargs(params: Params, layer_ids: list[int], storage_dir: Path) -> dict[str, Any]:
-    """Arguments of vllm.LLM for extraction; vllm.extra_args may override all but `required`.
+def engine_kwargs(
+    verifier: VerifierFacts,
+    v: VllmParams,
+    layer_ids: list[int],
+    storage_dir: Path,
+    *,
+    max_tokens_per_batch: int,
+    seed: int,
+) -> dict[str, Any]:
+    """Arguments of vllm.LLM for extraction (`max_tokens_per_batch`: extract's); vllm.extra_args
+    may override all but `required`.
 
     Prefix caching stays off whatever extra_args say: a cached prefix is not recomputed, so its
     hidden states would be missing from the file. Chunked prefill stays as vLLM sets it (on): the
     connector gathers a request's hidden states from its cache blocks when the request finishes
     (`get_finished`), whatever chunks computed them, and vLLM warns against turning it off.
     """
-    v = params.vllm
     ordered, _ = vllm_layer_order(layer_ids)
-    config = vf.read_config(params.verifier.path)
-    check_layer_ids(config, layer_ids)
-    defaults = model_args(params, dtype=engine_dtype(config)) | {
-        "max_num_batched_tokens": max(v.max_model_len, params.extract.max_tokens_per_batch),
-        "seed": params.seed,
+    check_layer_ids(verifier.config, layer_ids)
+    defaults = model_args(verifier, v, dtype=engine_dtype(verifier.config)) | {
+        "max_num_batched_tokens": max(v.max_model_len, max_tokens_per_batch),
+        "seed": seed,
     }
     required = {
         "enable_prefix_caching": False,
@@ -152,19 +160,16 @@ def _written(path: str) -> bool:
 class HiddenStateEngine:
     """One vLLM engine; `extract` returns [seq, n_ids, hidden] per prompt, in `layer_ids` order."""
 
-    def __init__(self, params: Params, layer_ids: list[int], storage_dir: Path) -> None:
+    def __init__(self, kwargs: dict[str, Any], v: VllmParams, layer_ids: list[int]) -> None:
+        """`kwargs`: engine_kwargs' (the connector's folder in them already emptied)."""
         from vllm import SamplingParams
 
-        self.storage_dir = storage_dir
-        self.write_timeout_s = params.vllm.ready_timeout_s
-        self.max_model_len = params.vllm.max_model_len
+        self.write_timeout_s = v.ready_timeout_s
+        self.max_model_len = v.max_model_len
         self._order = vllm_layer_order(layer_ids)[1]
         self._sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        clear_dir(storage_dir)
         log("extract", f"starting vLLM (extract_hidden_states, layer ids {layer_ids})")
-        self.llm = in_process.start(
-            engine_kwargs(params, layer_ids, storage_dir), params.verifier.path
-        )
+        self.llm = in_process.start(kwargs, kwargs["model"])
 
     def extract(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """Hidden states of each prompt's tokens, read from the connector's files."""
@@ -221,8 +226,21 @@ def clear_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def engine(params: Params, layer_ids: list[int], storage_dir: Path) -> Iterator[HiddenStateEngine]:
-    eng = HiddenStateEngine(params, layer_ids, storage_dir)
+def engine(
+    verifier: VerifierFacts,
+    v: VllmParams,
+    layer_ids: list[int],
+    storage_dir: Path,
+    *,
+    max_tokens_per_batch: int,
+    seed: int,
+) -> Iterator[HiddenStateEngine]:
+    """An extraction engine (engine_kwargs) writing to `storage_dir`, removed on exit."""
+    kwargs = engine_kwargs(
+        verifier, v, layer_ids, storage_dir, max_tokens_per_batch=max_tokens_per_batch, seed=seed
+    )
+    clear_dir(storage_dir)
+    eng = HiddenStateEngine(kwargs, v, layer_ids)
     try:
         yield eng
     finally:

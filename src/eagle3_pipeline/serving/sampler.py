@@ -20,11 +20,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.config.params import SynthesizeParams, VllmParams
 from eagle3_pipeline.conversations import generation_rows
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.verifier import identity as vf
 from eagle3_pipeline.verifier import loading
+from eagle3_pipeline.verifier.identity import VerifierFacts
 
 STAGE = "synthesize"
 
@@ -54,16 +54,15 @@ class Sampler(Protocol):
 class VllmSampler:
     """vLLM's in-process engine, started once."""
 
-    def __init__(self, params: Params) -> None:
+    def __init__(self, verifier: VerifierFacts, v: VllmParams, seed: int) -> None:
         from eagle3_pipeline.serving import in_process
         from eagle3_pipeline.serving.server_spec import engine_dtype, model_args
 
-        path = params.verifier.path
-        kwargs = model_args(params, dtype=engine_dtype(vf.read_config(path)))
-        kwargs |= {"seed": params.prepare.synthesize.seed}
-        kwargs |= in_process.engine_overrides(params.vllm.extra_args, STAGE)
-        log(STAGE, f"starting vLLM in process (dtype {kwargs['dtype']}, {path})")
-        self.llm = in_process.start(kwargs, path)
+        kwargs = model_args(verifier, v, dtype=engine_dtype(verifier.config))
+        kwargs |= {"seed": seed}
+        kwargs |= in_process.engine_overrides(v.extra_args, STAGE)
+        log(STAGE, f"starting vLLM in process (dtype {kwargs['dtype']}, {verifier.path})")
+        self.llm = in_process.start(kwargs, verifier.path)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], request: Request, seed: int
@@ -98,10 +97,10 @@ class VllmSampler:
 class HfSampler:
     """transformers `generate`, in this process."""
 
-    def __init__(self, params: Params, tokenizer: Any) -> None:
-        log(STAGE, f"loading the verifier with transformers ({params.verifier.path})")
+    def __init__(self, verifier: VerifierFacts, tokenizer: Any) -> None:
+        log(STAGE, f"loading the verifier with transformers ({verifier.path})")
         self.tokenizer = tokenizer
-        self.model = loading.load_model(params)
+        self.model = loading.load_model(verifier)
         self.eos = generation_rows.end_of_turn_ids(tokenizer, self.model)
         pad = tokenizer.pad_token_id
         self.pad = pad if pad is not None else self.eos[0]
@@ -152,12 +151,14 @@ class HfSampler:
 
 
 @contextlib.contextmanager
-def open_sampler(params: Params, tokenizer: Any) -> Iterator[Sampler]:
-    """The backend of prepare.synthesize.backend, closed on exit."""
-    if params.prepare.synthesize.backend == "vllm":
-        sampler: VllmSampler | HfSampler = VllmSampler(params)
+def open_sampler(
+    verifier: VerifierFacts, s: SynthesizeParams, v: VllmParams, tokenizer: Any
+) -> Iterator[Sampler]:
+    """The backend of prepare.synthesize.backend (`s`), closed on exit."""
+    if s.backend == "vllm":
+        sampler: VllmSampler | HfSampler = VllmSampler(verifier, v, s.seed)
     else:
-        sampler = HfSampler(params, tokenizer)
+        sampler = HfSampler(verifier, tokenizer)
     try:
         yield sampler
     finally:

@@ -1,4 +1,5 @@
-"""The verifier as vLLM loads it, built from params in one place for every vLLM start.
+"""The verifier as vLLM loads it, built from its facts and params' `vllm` in one place for
+every vLLM start.
 
 generate and evaluate (with and without the drafter) serve `verifier_spec`; extract's in-process
 engine takes `model_args`, which the spec is made of. So a pinned hub revision, remote code and
@@ -11,9 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.config.params import VllmParams
 from eagle3_pipeline.serving.server import ServerSpec
 from eagle3_pipeline.verifier import identity as vf
+from eagle3_pipeline.verifier.identity import VerifierFacts
 
 SERVED_NAME = "verifier"
 _VLLM_DTYPES = {"float32", "bfloat16", "float16"}
@@ -34,17 +36,16 @@ def engine_dtype(config: dict[str, Any]) -> str:
     return dtype if dtype in _VLLM_DTYPES else "auto"
 
 
-def model_args(params: Params, dtype: str | None = None) -> dict[str, Any]:
+def model_args(verifier: VerifierFacts, v: VllmParams, dtype: str | None = None) -> dict[str, Any]:
     """What vLLM loads and how, under vllm.LLM's argument names (also ServerSpec's fields).
 
     `dtype` None leaves vLLM's default ("auto": bf16 for a float32 checkpoint).
     """
-    v = params.vllm
     return {
-        "model": params.verifier.path,
-        "revision": params.verifier.revision,
-        "trust_remote_code": params.verifier.trust_remote_code,
-        "language_model_only": vf.language_model_only(params.verifier.path),
+        "model": verifier.path,
+        "revision": verifier.revision,
+        "trust_remote_code": verifier.trust_remote_code,
+        "language_model_only": verifier.multimodal,
         "dtype": dtype,
         "max_model_len": v.max_model_len,
         "enforce_eager": v.enforce_eager,
@@ -53,18 +54,19 @@ def model_args(params: Params, dtype: str | None = None) -> dict[str, Any]:
 
 
 def verifier_spec(
-    params: Params,
+    verifier: VerifierFacts,
+    v: VllmParams,
     log_file: Path,
     *,
     reasoning_parser: str | None = None,
     dtype: str | None = None,
 ) -> ServerSpec:
-    """The verifier served as `verifier` with params.vllm (extra_args passed verbatim)."""
+    """The verifier served as `verifier` with params' `vllm` (extra_args passed verbatim)."""
     return ServerSpec(
-        **model_args(params, dtype),
+        **model_args(verifier, v, dtype),
         log_file=log_file,
         reasoning_parser=reasoning_parser,
         served_model_name=SERVED_NAME,
-        ready_timeout_s=params.vllm.ready_timeout_s,
-        extra_args=list(params.vllm.extra_args),
+        ready_timeout_s=v.ready_timeout_s,
+        extra_args=list(v.extra_args),
     )

@@ -40,8 +40,9 @@ def run(params: Params, params_path: str | Path = DEFAULT_PARAMS) -> None:
         where = f"{params_path} (verifier.tiny)"
     else:
         config_file = Path(v.path) / "config.json"
-        config, where = vf.read_config(v.path), str(config_file)
-        vf.check_remote_code(params, config)
+        facts = vf.read_verifier(v)
+        config, where = facts.config, str(config_file)
+        facts.check_remote_code()
     result = support.check_verifier(params, config, config_file, where, required=True)
     log(STAGE, f"vLLM {result.vllm.describe()}")
     log(STAGE, f"chat template: {result.template.describe()}")

@@ -48,7 +48,7 @@ class Counts:
 def measure(params: Params, fraction: float) -> None:
     """`eagle3 curve --measure F`: fraction F's best checkpoint on the val samples."""
     model_dir = paths.CURVE_MODELS / str(fraction) / "best"
-    ids, counts = _simulate(params, {"fraction": model_dir})
+    ids, counts = _simulate(params, vf.read_verifier(params.verifier), {"fraction": model_dir})
     rows = _train_rows(params, fraction)
     record = _record(params, fraction, rows, ids, counts["fraction"])
     out = paths.CURVE_FRACTIONS / str(fraction) / "eval.json"
@@ -76,12 +76,13 @@ def _prune_unlisted(fractions: list[float]) -> None:
 def run(params: Params) -> None:
     c, k = params.curve, params.evaluate.num_speculative_tokens
     _prune_unlisted(c.fractions)
-    verifier = fitted_on(params)
+    facts = vf.read_verifier(params.verifier)  # first: refuses a missing one in one line
+    verifier = fitted_on(facts)
     if not c.fractions:  # evaluate already simulated train's drafter: nothing to fit
         result = {"num_speculative_tokens": k, "verifier": verifier, "points": [], "check": None}
         _write(result | {"fit": None, "predictions": None, "epochs": _full_epochs()})
         return
-    ids, counts = _simulate(params, {"full": paths.DRAFTER})
+    ids, counts = _simulate(params, facts, {"full": paths.DRAFTER})
     full = _record(params, 1.0, _train_rows(params, None), ids, counts["full"])
     records = [_read_fraction(f, full) for f in sorted(c.fractions)] + [full]
     points = [
@@ -129,11 +130,10 @@ def run(params: Params) -> None:
     _write(result)
 
 
-def fitted_on(params: Params) -> dict[str, Any]:
+def fitted_on(verifier: vf.VerifierFacts) -> dict[str, Any]:
     """The verifier the curve is measured on: its identity (name, revision, config.json's
     sha256) and its text model's shape, what a plan compares where it cannot hash the config."""
-    config = vf.read_config(params.verifier.path)  # first: refuses a missing one in one line
-    return vf.identity(params) | vf.shape_record(config)
+    return verifier.identity | verifier.shape_record
 
 
 def _write(result: dict[str, Any]) -> None:
@@ -185,7 +185,8 @@ def measure_on(params: Params, model_dir: Path, ids: Collection[str]) -> dict[st
     samples, which the split keeps in val when rows are added: prepare.is_val hashes the id):
     the figure that compares with a curve fitted on those samples. {"num_samples", "missing"
     (ids not among this store's val samples), "tau", "per_sample"}."""
-    found, counts = _simulate(params, {"model": model_dir}, only=set(ids))
+    facts = vf.read_verifier(params.verifier)
+    found, counts = _simulate(params, facts, {"model": model_dir}, only=set(ids))
     got = counts["model"]
     return {
         "num_samples": len(found),
@@ -206,13 +207,16 @@ def val_ids(val: Collection[str], max_samples: int | None, only: set[str] | None
 
 
 def _simulate(
-    params: Params, dirs: dict[str, Path], only: set[str] | None = None
+    params: Params,
+    verifier: vf.VerifierFacts,
+    dirs: dict[str, Path],
+    only: set[str] | None = None,
 ) -> tuple[list[str], dict[str, Counts]]:
     """(the val ids, per model: counts per val sample) as evaluate simulates them: the first
     evaluate.max_offline_samples val samples by id (`only`: those of them in `only`, however
     many), greedy tokens computed once per sample."""
-    config = vf.text_config(vf.read_config(params.verifier.path))
-    conventions = run_conventions(params, int(config["num_hidden_layers"]))
+    config = verifier.text
+    conventions = run_conventions(params.layers, params.train, verifier.num_layers)
     manifest = store.read_manifest(paths.HIDDEN_STATES)
     positions = store.check_layout(
         manifest, conventions.aux_layer_ids, conventions.final_layer_id, paths.HIDDEN_STATES

@@ -57,19 +57,23 @@ RERUN_HINT = "rerun `dvc repro` to evaluate again (the stages before evaluate ar
 
 def run(params: Params) -> None:
     e = params.evaluate
-    simulated, result = simulate_offline(params)
+    verifier = vf.read_verifier(params.verifier)
+    simulated, result = simulate_offline(params, verifier)
     tr = simulated["trained"]
     verdict: Verdict | None = None
     if e.online:
         section, mismatched, verdict = run_online(
-            params, aux_layer_ids=_trained_layers(params), held_out=True
+            params,
+            aux_layer_ids=_trained_layers(params, verifier),
+            held_out=True,
+            verifier=verifier,
         )
         held = section.pop("held_out", {})
         result |= online_verdict(
             section,
             tr["mean_acceptance_length"],
             mismatched,
-            params,
+            params.evaluate,
             verdict,
             offline_same=result.get("offline_same_prompts"),
         )
@@ -200,10 +204,11 @@ def run_family(params: Params, name: str) -> None:
             "pass: lower it or raise the family's num_depths / block_size"
         )
     drafter_dir = paths.FAMILIES_MODELS / name / "best"
-    own = _trained_layers(params, name)
-    simulated = simulate_family(params, name, drafter_dir, own)
+    verifier = vf.read_verifier(params.verifier)
+    own = _trained_layers(params, verifier, name)
+    simulated = simulate_family(params, name, drafter_dir, own, verifier)
     section, mismatched, verdict = run_online(
-        params, drafter_dir, family.name, WORK_DIR / "families" / name, own
+        params, drafter_dir, family.name, WORK_DIR / "families" / name, own, verifier=verifier
     )
     out = paths.FAMILIES_METRICS / name / "eval.json"
     result: dict[str, Any] = {"family": family.name, "drafting": family.drafting, **simulated}
@@ -211,7 +216,7 @@ def run_family(params: Params, name: str) -> None:
         section,
         simulated["offline"]["trained"]["mean_acceptance_length"],
         mismatched,
-        params,
+        params.evaluate,
         verdict,
         simulated.get("offline_same_prompts"),
         drafter_dir,
@@ -221,10 +226,14 @@ def run_family(params: Params, name: str) -> None:
     require_lossless(verdict, WORK_DIR / "families" / name)
 
 
-def simulate_offline(params: Params) -> tuple[dict[str, dict], dict[str, Any]]:
-    """(summary per drafter, eval.json keys) of the simulation on the store's val samples."""
-    config = vf.text_config(vf.read_config(params.verifier.path))
-    conventions = run_conventions(params, int(config["num_hidden_layers"]))
+def simulate_offline(
+    params: Params, verifier: vf.VerifierFacts | None = None
+) -> tuple[dict[str, dict], dict[str, Any]]:
+    """(summary per drafter, eval.json keys) of the simulation on the store's val samples
+    (`verifier`: the run's, read here when not given)."""
+    verifier = verifier or vf.read_verifier(params.verifier)
+    config = verifier.text
+    conventions = run_conventions(params.layers, params.train, verifier.num_layers)
     aux, final = conventions.aux_layer_ids, conventions.final_layer_id
     manifest = store.read_manifest(STORE_DIR)
     positions = store.check_layout(manifest, aux, final, STORE_DIR)
@@ -349,13 +358,20 @@ def _val_samples(
     return val, sorted(val)[: e.max_offline_samples], same
 
 
-def simulate_family(params: Params, name: str, drafter_dir: Path, own: list[int]) -> dict[str, Any]:
+def simulate_family(
+    params: Params,
+    name: str,
+    drafter_dir: Path,
+    own: list[int],
+    verifier: vf.VerifierFacts | None = None,
+) -> dict[str, Any]:
     """eval.json's offline keys of a branch, simulated as its family drafts (EAGLE-3 and 3.1
     chained: evaluation.offline; DFlash and P-EAGLE one pass per draft:
     evaluation.parallel_offline) on the store's val samples and its own layers `own`."""
-    config = vf.text_config(vf.read_config(params.verifier.path))
+    verifier = verifier or vf.read_verifier(params.verifier)
+    config = verifier.text
     manifest = store.read_manifest(STORE_DIR)
-    positions = store.check_layout(manifest, own, int(config["num_hidden_layers"]), STORE_DIR)
+    positions = store.check_layout(manifest, own, verifier.num_layers, STORE_DIR)
     val, whole, same = _val_samples(params, manifest)
     path, placement = params.verifier.path, drafter.compute_placement()
     family = families.entry(params.families, name)
@@ -378,12 +394,13 @@ def simulate_family(params: Params, name: str, drafter_dir: Path, own: list[int]
     return result
 
 
-def _trained_layers(params: Params, family: str | None = None) -> list[int]:
+def _trained_layers(
+    params: Params, verifier: vf.VerifierFacts, family: str | None = None
+) -> list[int]:
     """The aux layer ids (vLLM's convention) `train`'s drafter, or branch `family`'s, read."""
     if family is not None and family in params.layers.family_aux_layer_ids:
         return list(params.layers.family_aux_layer_ids[family])
-    config = vf.text_config(vf.read_config(params.verifier.path))
-    return run_conventions(params, int(config["num_hidden_layers"])).aux_layer_ids
+    return run_conventions(params.layers, params.train, verifier.num_layers).aux_layer_ids
 
 
 def val_conversations(limit: int) -> list[dict[str, Any]]:
@@ -403,11 +420,13 @@ def run_online(
     work: Path = WORK_DIR,
     aux_layer_ids: list[int] | None = None,
     held_out: bool = False,
+    verifier: vf.VerifierFacts | None = None,
 ) -> tuple[dict[str, Any], list[str], Verdict]:
     """Serve the verifier with and without the drafter (of `family`, served from
     `drafter_dir`, logs in `work`); (online section, differing ids, losslessness verdict).
     `aux_layer_ids`: the layers the drafter was trained on, which vLLM must have captured.
-    `held_out`: evaluate.public_sets are served too (section `held_out`).
+    `held_out`: evaluate.public_sets are served too (section `held_out`). `verifier`: the
+    run's, read here when not given.
 
     `evaluate` and every `family@NAME` branch come here alike: both servers up, one full pass
     each (acceptance, losslessness), then evaluate.speedup_rounds paired rounds, the order
@@ -416,9 +435,10 @@ def run_online(
     its rounds spread more than evaluate.speedup_max_spread (evaluation/speedup.py)."""
     e = params.evaluate
     rows = val_conversations(e.max_eval_prompts)
-    settings = measure.Settings.from_params(params)
+    settings = measure.Settings.of(params.evaluate, params.generate.chat_template_kwargs)
     # No reasoning parser: the whole completion (reasoning included) is what the runs compare.
-    base = verifier_spec(params, work / "vllm.log")
+    verifier = verifier or vf.read_verifier(params.verifier)
+    base = verifier_spec(verifier, params.vllm, work / "vllm.log")
     if e.vllm_extra_args is not None:
         base = dataclasses.replace(base, extra_args=list(e.vllm_extra_args))
     try:

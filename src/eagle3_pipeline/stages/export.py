@@ -43,10 +43,10 @@ def run(params: Params) -> None:
             f"eagle3.1 only, and {family} was trained (its checkpoint is in {paths.TRAINED}): "
             "stop after train (`dvc repro train`) or set train.family.name: eagle3"
         )
-    n_layers, _, _ = vf.shape(vf.read_config(params.verifier.path))
-    conventions = run_conventions(params, n_layers)
+    verifier = vf.read_verifier(params.verifier)
+    conventions = run_conventions(params.layers, params.train, verifier.num_layers)
     aux, final = conventions.aux_layer_ids, conventions.final_layer_id
-    ident = vf.identity(params)
+    ident = verifier.identity
     fmt, server = params.export.format, params.export.server
     expected = drafter.expected_config(
         conventions, params.vocab.draft_vocab_size, params.verifier.path

@@ -237,8 +237,8 @@ def padding_fraction(batches: list[list[str]], lengths: dict[str, int]) -> float
 
 def run(params: Params, shard: tuple[int, int] | None = None) -> None:
     """Extract every sample (or shard i of n of the batches); without a shard, build the store."""
-    config = vf.read_config(params.verifier.path)
-    n_layers, hidden, _ = vf.shape(config)
+    verifier = vf.read_verifier(params.verifier)
+    n_layers, hidden = verifier.num_layers, verifier.hidden_size
     # Every drafter's layers: train's, and each family's own (layers.family_aux_layer_ids).
     aux, final = store_aux_layer_ids(params.layers, n_layers), n_layers
     rows = {
@@ -254,7 +254,7 @@ def run(params: Params, shard: tuple[int, int] | None = None) -> None:
             f"train.hidden_states=online: storing {len(rows)} val samples only (what evaluate "
             "simulates on); train gets the others' hidden states from vLLM while it trains",
         )
-    layout = store.StoreLayout(aux, final, hidden, params.extract.store_dtype, vf.identity(params))
+    layout = store.StoreLayout(aux, final, hidden, params.extract.store_dtype, verifier.identity)
     settings = settings_key(params, layout)
     rows = {i: r | {"row_key": row_key(settings, r)} for i, r in rows.items()}
     work = resume.scratch_dir(STAGE, settings)
@@ -321,7 +321,15 @@ def run(params: Params, shard: tuple[int, int] | None = None) -> None:
 
         with (
             disk.guard(STAGE, work, still_needed),
-            open_backend(params, layout.layer_ids, backend_dir / VLLM_FILES) as run_batch,
+            open_backend(
+                params.extract.backend,
+                verifier,
+                params.vllm,
+                layout.layer_ids,
+                backend_dir / VLLM_FILES,
+                max_tokens_per_batch=max_tokens,
+                seed=params.seed,
+            ) as run_batch,
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer") as writer,
         ):
             # Batch n is written (and fsynced) while the verifier computes batch n+1.

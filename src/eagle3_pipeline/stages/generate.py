@@ -72,15 +72,19 @@ def _rows(params: Params) -> list[dict]:
 
 
 def _generate_hf(
-    params: Params, batches: list[list[dict]], journal: resume.Journal, progress: Progress
+    params: Params,
+    verifier: vf.VerifierFacts,
+    batches: list[list[dict]],
+    journal: resume.Journal,
+    progress: Progress,
 ) -> None:
     """In-process transformers generation; batches are fixed slices, so resume is exact."""
     import torch
 
     g = params.generate
-    tokenizer = loading.load_tokenizer(params)
+    tokenizer = loading.load_tokenizer(verifier)
     tokenizer.padding_side = "left"
-    model = loading.load_model(params)
+    model = loading.load_model(verifier)
     ends = generation_rows.end_of_turn_ids(tokenizer, model)
     for batch in batches:
         prompts = [chat_template.render_prompt(tokenizer, r, g.chat_template_kwargs) for r in batch]
@@ -122,7 +126,13 @@ def _generate_hf(
         progress.advance(len(batch))
 
 
-def _run_hf(params: Params, rows: list[dict], done: set[str], journal: resume.Journal) -> None:
+def _run_hf(
+    params: Params,
+    verifier: vf.VerifierFacts,
+    rows: list[dict],
+    done: set[str],
+    journal: resume.Journal,
+) -> None:
     """The rows not done, in fixed batches of `batch_size` (journaled whole, in order: a killed
     run's rows left over fall into the batches it would have made)."""
     bs = params.generate.batch_size
@@ -130,12 +140,16 @@ def _run_hf(params: Params, rows: list[dict], done: set[str], journal: resume.Jo
     todo = [left[i : i + bs] for i in range(0, len(left), bs)]
     progress = Progress(STAGE, len(rows), already_done=len(rows) - len(left))
     if todo:
-        _generate_hf(params, todo, journal, progress)
+        _generate_hf(params, verifier, todo, journal, progress)
 
 
-def server_spec(params: Params, log_file: Path = SERVER_LOG) -> vllm_server.ServerSpec:
+def server_spec(
+    params: Params, verifier: vf.VerifierFacts, log_file: Path = SERVER_LOG
+) -> vllm_server.ServerSpec:
     """The verifier's server with the stage's reasoning parser."""
-    return verifier_spec(params, log_file, reasoning_parser=params.generate.reasoning_parser)
+    return verifier_spec(
+        verifier, params.vllm, log_file, reasoning_parser=params.generate.reasoning_parser
+    )
 
 
 def _client(params: Params, url: str, api_key: str | None) -> ChatClient:
@@ -144,7 +158,7 @@ def _client(params: Params, url: str, api_key: str | None) -> ChatClient:
 
 
 @contextlib.contextmanager
-def _servers(params: Params) -> Iterator[list[leases.Server]]:
+def _servers(params: Params, verifier: vf.VerifierFacts) -> Iterator[list[leases.Server]]:
     """The servers of generate.server_url(s), or servers started here and always stopped after:
     one on loopback, or one per node with cluster.engine: ray."""
     g = params.generate
@@ -159,7 +173,7 @@ def _servers(params: Params) -> Iterator[list[leases.Server]]:
         key = os.environ.get(API_KEY_VAR) or None
         yield [leases.Server(url, _client(params, url, key)) for url in given]
         return
-    vf.check_remote_code(params, vf.read_config(params.verifier.path))
+    verifier.check_remote_code()
     key = auth.run_key()  # this run's only
     if params.cluster.engine == "ray":
         from eagle3_pipeline.cluster import servers as node_servers
@@ -167,7 +181,7 @@ def _servers(params: Params) -> Iterator[list[leases.Server]]:
         n = params.cluster.nodes
 
         def spec_for(i: int, node) -> vllm_server.ServerSpec:
-            spec = server_spec(params, SERVER_LOG.with_name(f"server-{i}.log"))
+            spec = server_spec(params, verifier, SERVER_LOG.with_name(f"server-{i}.log"))
             spec.host, spec.api_key = node.address, key  # the node's cluster address only
             spec.port, spec.port_step = (g.server_port + i if g.server_port else None), n
             return spec
@@ -175,7 +189,7 @@ def _servers(params: Params) -> Iterator[list[leases.Server]]:
         with node_servers.node_servers(params.cluster, spec_for, params.verifier.path) as up:
             yield [leases.Server(x.node.label, _client(params, x.url, key), x.gone) for x in up]
         return
-    spec = server_spec(params)
+    spec = server_spec(params, verifier)
     spec.api_key, spec.port = key, g.server_port
     with vllm_server.serve(spec) as url:
         yield [leases.Server(url, _client(params, url, key))]
@@ -378,7 +392,7 @@ def _identity_note(params: Params, servers: list[leases.Server]) -> None:
 
 def run(params: Params) -> None:
     rows = _rows(params)
-    vf.read_config(params.verifier.path)  # a clear error before anything else when missing
+    verifier = vf.read_verifier(params.verifier)  # a clear error before anything else
     settings = settings_key(params)
     journal = resume.Journal(resume.scratch_dir(STAGE, settings) / "done.jsonl")
     earlier, where = published.keyed_rows(OUTPUT_DIR, SPLIT_FILES)
@@ -394,7 +408,7 @@ def run(params: Params) -> None:
 
         def servers() -> list[leases.Server]:  # started once, at the first round with work left
             if not fleet:
-                fleet.append(stack.enter_context(_servers(params)))
+                fleet.append(stack.enter_context(_servers(params, verifier)))
                 _identity_note(params, fleet[0])
             return fleet[0]
 
@@ -418,7 +432,7 @@ def run(params: Params) -> None:
             if g.backend == "vllm":
                 failed += _run_vllm(params, round_rows, reused, journal, servers, tally)
             else:
-                _run_hf(params, round_rows, reused, journal)
+                _run_hf(params, verifier, round_rows, reused, journal)
             journaled = {r["row_key"]: r for r in journal.read() if "row_key" in r}
             for r in round_rows:
                 got = journaled.get(r["row_key"]) or earlier.get(r["row_key"])

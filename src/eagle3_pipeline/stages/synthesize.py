@@ -132,8 +132,8 @@ def run(params: Params) -> None:
         _write([], _stats(s, Tally(s), 0.0, 0.0))
         log(STAGE, "prepare.synthesize.count is 0: no prompts synthesized")
         return
-    vf.read_config(params.verifier.path)  # a clear error first when the verifier is missing
-    tokenizer = loading.load_tokenizer(params)
+    verifier = vf.read_verifier(params.verifier)  # a clear error first when it is missing
+    tokenizer = loading.load_tokenizer(verifier)
     shape = magpie.derive(tokenizer, params.generate.chat_template_kwargs)
     settings = settings_key(params)
     journal = resume.Journal(resume.scratch_dir(STAGE, settings) / JOURNAL)
@@ -172,7 +172,9 @@ def run(params: Params) -> None:
     with contextlib.ExitStack() as stack:
         while not tally.full and tally.batches < max_batches:
             if batches.sampler is None:  # started only when a batch is left to draw
-                batches.sampler = stack.enter_context(samplers.open_sampler(params, tokenizer))
+                batches.sampler = stack.enter_context(
+                    samplers.open_sampler(verifier, s, params.vllm, tokenizer)
+                )
             entry = batches.sample(tally.batches) | {"row_key": batch_key(settings, tally.batches)}
             journal.append([entry])
             drawn.append(entry)

@@ -86,7 +86,7 @@ def run(params: Params) -> None:
     total = sum(map(len, generated.values()))
     reused = sum(1 for ks in keys.values() for k in ks if k in earlier)
     log(STAGE, published.reuse_line(total, total - reused, where, reused))
-    tokenizer = loading.load_tokenizer(params) if reused < total else None
+    tokenizer = loading.load_tokenizer(params.verifier) if reused < total else None
     out: dict[str, list[dict]] = {}
     freq: Counter[int] = Counter()
     dropped = 0

@@ -12,12 +12,14 @@ go to DVCLive (metrics/train/) and, as plain lines, to stdout so a log file show
 metrics file also names the rows the processes' loaders held (`train_rows`, `train_ids_hash`).
 
 `train.nproc` > 1 relaunches the training part through torchrun (`python -m
-eagle3_pipeline.stages.train --worker PARAMS_JSON` per process: training/launch.py); this
-process prepares the data, forwards SIGINT/SIGTERM to torchrun and copies the outputs; rank 0
-alone logs. With `cluster.engine: ray` the same workers run under one torchrun agent per
-training node, and online mode there splits the cluster: vLLM (and a Mooncake master) on an
-inference pool, torchrun on the training pool (online_training/pools.py). The online server is
-checked against the store before step one (online_training/checks.py).
+eagle3_pipeline.stages.train --worker RUN_JSON` per process: training/launch.py); this process
+resolves the run once (rows, conventions, scratch folder, server: training/inputs.py
+ResolvedRun), prepares the data, forwards SIGINT/SIGTERM to torchrun and copies the outputs; the
+workers train the run as written, and rank 0 alone logs. With `cluster.engine: ray` the same
+workers run under one torchrun agent per training node, and online mode there splits the
+cluster: vLLM (and a Mooncake master) on an inference pool, torchrun on the training pool
+(online_training/pools.py). The online server is checked against the store before step one
+(online_training/checks.py).
 """
 
 from __future__ import annotations
@@ -46,10 +48,11 @@ from eagle3_pipeline.training.checkpoints import discard_incomplete, resume_epoc
 from eagle3_pipeline.training.data import (
     TRAINED_ROWS,
     TrainingSample,
+    train_data_ratio_for,
     trained_rows,
     write_training_data,
 )
-from eagle3_pipeline.training.inputs import TrainInputs, distributed, nodes, run_settings
+from eagle3_pipeline.training.inputs import ResolvedRun, TrainInputs, distributed, nodes
 from eagle3_pipeline.training.launch import die_with_agent, launch
 from eagle3_pipeline.training.metrics import MetricsSink, open_live, trim_live
 from eagle3_pipeline.training.online_backend import mooncake_env
@@ -65,7 +68,7 @@ def run(params: Params, outputs: Outputs | None = None, fraction: float | None =
     `fraction`: on that nested fraction of the training rows only (a learning-curve point)."""
     outputs = outputs or Outputs()
     t = params.train
-    if t.strategy == "fsdp" and not distributed(params):
+    if t.strategy == "fsdp" and not distributed(t, params.cluster):
         raise ParamsError(
             "params.yaml: train.strategy=fsdp shards the drafter across processes but "
             "train.nproc=1 on one node: set train.nproc to the number of GPUs, or strategy: ddp"
@@ -94,13 +97,13 @@ def run(params: Params, outputs: Outputs | None = None, fraction: float | None =
     trim_live(inputs.live_dir, inputs.save_dir)
     with disk.guard(STAGE, inputs.save_dir):  # a checkpoint write that fails: OS reason, mount
         if t.hidden_states == "online":
-            _train_online(params, inputs, _worker_args(outputs, fraction))
-        elif distributed(params):
-            launch(params, inputs, __name__, worker_args=_worker_args(outputs, fraction))
+            _train_online(params, inputs)
+        elif distributed(t, params.cluster):
+            launch(params.cluster, _resolved(params, inputs), inputs, __name__)
         else:
             _train(params, inputs)
     # What the ranks' loaders held (training.data), not what params say they should have.
-    trained = trained_rows(inputs.save_dir, t.nproc * nodes(params))
+    trained = trained_rows(inputs.save_dir, t.nproc * nodes(params.cluster))
     log(STAGE, f"trained on {trained['train_rows']} rows ({trained['train_ids_hash'][:12]})")
     twin = None  # a branch is measured against its untrained twin (evaluate does train's)
     if outputs.twin and t.hidden_states == "store":
@@ -108,28 +111,33 @@ def run(params: Params, outputs: Outputs | None = None, fraction: float | None =
     publish(outputs, inputs.live_dir, inputs.save_dir, t.epochs, t.family, twin, trained)
 
 
-def _train_online(params: Params, inputs: TrainInputs, worker_args: list[str]) -> None:
+def _train_online(params: Params, inputs: TrainInputs) -> None:
     """Train with a vLLM server's hidden states, after checking it against the store."""
     t = params.train
     online.check_layer_order(inputs.aux, inputs.final)
     layer_ids = [*inputs.aux, inputs.final]
-    if online_pools.uses_pools(params):
+    verifier = inputs.verifier or vf.read_verifier(params.verifier)
+    settings = run_settings(params, inputs, None)
+    if online_pools.uses_pools(t, params.cluster):
         # Across nodes: vLLM (and the Mooncake master) on the inference pool, torchrun on the
         # training pool (online_training/pools.py).
-        with online_pools.inference_pool(params, layer_ids, inputs.work) as pools:
-            flags = check_and_log(params, inputs, pools.source, len(pools.sources))
+        with online_pools.inference_pool(
+            params.cluster, t.online, verifier, params.vllm, layer_ids, inputs.work
+        ) as pools:
+            flags = check_and_log(settings, inputs, pools.source, len(pools.sources))
             for other in pools.sources[1:]:  # every server, not only the one params name
-                check_server(params, inputs, other, flags)
-            served = served_by(params, pools.source, pools.master)
-            launch(served, inputs, __name__, pools, worker_args)
+                check_server(settings, inputs, other, flags)
+            served = params.model_copy(update={"train": served_by(t, pools.source, pools.master)})
+            launch(params.cluster, _resolved(served, inputs), inputs, __name__, pools)
         return
     os.environ.update(mooncake_env(t.online))  # torchrun workers inherit it
-    with online.online_source(params, layer_ids, inputs.work) as source:
+    with online.online_source(t.online, verifier, params.vllm, layer_ids, inputs.work) as source:
         os.environ.update(online.trainer_env(source))  # this process's trainer, or torchrun's
-        flags = check_and_log(params, inputs, source)
-        if distributed(params):
-            # Workers read the server from params: the one started here, or the given one.
-            launch(served_by(params, source), inputs, __name__, worker_args=worker_args)
+        flags = check_and_log(settings, inputs, source)
+        if distributed(t, params.cluster):
+            # Workers read the server from the run: the one started here, or the given one.
+            served = params.model_copy(update={"train": served_by(t, source)})
+            launch(params.cluster, _resolved(served, inputs), inputs, __name__)
         else:
             _train(params, inputs, flags, source)
 
@@ -166,8 +174,8 @@ def _inputs(
     params: Params, family_key: str = "train.family", fraction: float | None = None
 ) -> TrainInputs:
     t = params.train
-    n_layers, _, _ = vf.shape(vf.read_config(params.verifier.path))
-    conventions = run_conventions(params, n_layers)
+    verifier = vf.read_verifier(params.verifier)
+    conventions = run_conventions(params.layers, t, verifier.num_layers)
     aux, final = conventions.aux_layer_ids, conventions.final_layer_id
     manifest = store.read_manifest(paths.HIDDEN_STATES)
     positions = store.check_layout(manifest, aux, final, paths.HIDDEN_STATES)
@@ -187,7 +195,7 @@ def _inputs(
             "raise it, or make more data"
         )
     # Before any weights load; `family_key` names the family's params in an error line.
-    mask = mask_token.for_run(params, [s["input_ids"] for s in samples], family_key)
+    mask = mask_token.for_run(t.family, verifier, [s["input_ids"] for s in samples], family_key)
     # Knobs that cannot change the weights do not restart a run; nor does EAGLE-3 being named.
     knobs = {"log_every_steps", "num_workers", "keep_last", "online"}
     key = resume.fingerprint(
@@ -202,7 +210,7 @@ def _inputs(
         # Other weights at the same path start over (stamp: names, sizes, mtimes; no hashing).
         vf.files_stamp(t.init_from) if t.init_from and Path(t.init_from).is_dir() else None,
         # Another world size is another run (a single node keeps its key).
-        *([{"train_nodes": nodes(params)}] if nodes(params) > 1 else []),
+        *([{"train_nodes": nodes(params.cluster)}] if nodes(params.cluster) > 1 else []),
         *([{"fraction": fraction}] if fraction is not None else []),
     )
     own = resume.fingerprint(t.family.model_dump())[:8]  # branches keep each other's scratch
@@ -210,7 +218,9 @@ def _inputs(
     if fraction is not None:
         scratch += f"-f{fraction}"
     work = resume.scratch_dir(scratch, key)
-    return TrainInputs(conventions, samples, n_train, work, row_ids, positions, mask)
+    return TrainInputs(
+        conventions, samples, n_train, work, row_ids, positions, mask, verifier=verifier
+    )
 
 
 def _samples(
@@ -246,28 +256,64 @@ def _train(
     online_flags: dict | None = None,
     source: online.OnlineSource | None = None,
 ) -> None:
-    """The training of one process (the only one, or one torchrun worker)."""
+    """The training of the stage's only process."""
+    settings = run_settings(params, inputs, online_flags, online.trainer_key())
+    _train_resolved(ResolvedRun(settings, inputs.row_ids, inputs.live_dir), source)
+
+
+def run_settings(
+    params: Params,
+    inputs: TrainInputs,
+    online_flags: dict | None,
+    online_api_key: str | None = None,
+) -> TrainSettings:
+    """The run's TrainSettings; `online_flags` and `online_api_key`: online mode's
+    (online_training/source.py)."""
+    found = TrainSettings.from_params(
+        params.train,
+        data_dir=inputs.data_dir,
+        save_dir=inputs.save_dir,
+        verifier_dir=Path(params.verifier.path),
+        vocab_dir=paths.VOCAB,
+        draft_vocab_size=params.vocab.draft_vocab_size,
+        conventions=inputs.conventions,
+        train_data_ratio=train_data_ratio_for(inputs.n_train, len(inputs.samples)),
+        nodes=nodes(params.cluster),
+        mask_token_id=inputs.mask[0] if inputs.mask else None,
+        store_positions=inputs.positions,
+        verifier_num_layers=inputs.final,
+    )
+    return dataclasses.replace(found, online_flags=online_flags, online_api_key=online_api_key)
+
+
+def _resolved(params: Params, inputs: TrainInputs) -> ResolvedRun:
+    """The run as every torchrun worker trains it (online mode's flags are each rank's own)."""
+    return ResolvedRun(run_settings(params, inputs, None), inputs.row_ids, inputs.live_dir)
+
+
+def _train_resolved(run: ResolvedRun, source: online.OnlineSource | None = None) -> None:
+    """Train `run` in this process (the only one, or one torchrun worker); a row the online
+    server refused is named in one line."""
     try:
-        settings = run_settings(params, inputs, online_flags, online.trainer_key())
-        _train_process(params, inputs, settings)
+        _train_process(run.settings, run.live_dir)
     except RuntimeError as exc:
-        refused = online.refusal(exc, inputs.row_ids, source) if source else None
+        refused = online.refusal(exc, run.row_ids, source) if source else None
         if refused is None:
             raise
         raise refused from None
 
 
-def _train_process(params: Params, inputs: TrainInputs, settings: TrainSettings) -> None:
-    t = params.train
+def _train_process(settings: TrainSettings, live_dir: Path) -> None:
+    t = settings.train
     if int(os.environ.get("RANK", "0")) != 0:  # only rank 0 logs metrics and writes DVCLive
         run_training(settings, on_metrics=None, on_init_line=lambda line: None)
         return
-    with open_live(inputs.live_dir) as live:
+    with open_live(live_dir) as live:
         live.log_params(
             {
                 "train": t.model_dump(),
-                "aux_layer_ids": inputs.aux,
-                "draft_vocab_size": params.vocab.draft_vocab_size,
+                "aux_layer_ids": list(settings.target_layer_ids),
+                "draft_vocab_size": settings.draft_vocab_size,
             }
         )
         run_training(
@@ -277,41 +323,34 @@ def _train_process(params: Params, inputs: TrainInputs, settings: TrainSettings)
         )
 
 
-def _worker_args(outputs: Outputs, fraction: float | None) -> list[str]:
-    """What a worker needs besides params to rebuild the driver's inputs (`_inputs`)."""
-    return ["--family-key", outputs.family_key] + (
-        ["--fraction", repr(fraction)] if fraction is not None else []
-    )
-
-
 def _worker_main(argv: list[str]) -> int:
-    """One torchrun worker: `python -m eagle3_pipeline.stages.train --worker PARAMS_JSON
-    [--family-key KEY] [--fraction F]`: the driver's inputs, rebuilt from the same params and
-    fraction (the rows, the scratch folder the driver publishes from)."""
-    usage = (
-        "usage: python -m eagle3_pipeline.stages.train --worker PARAMS_JSON "
-        "[--family-key KEY] [--fraction F]"
-    )
+    """One torchrun worker: `python -m eagle3_pipeline.stages.train --worker RUN_JSON`: the run
+    the driver resolved (its rows, a fraction's included, and the scratch folder it publishes
+    from), trained as written; online, against this rank's server."""
+    usage = "usage: python -m eagle3_pipeline.stages.train --worker RUN_JSON"
     parser = argparse.ArgumentParser(usage=usage, add_help=False)
     parser.add_argument("--worker", required=True)
-    parser.add_argument("--family-key", default="train.family")
-    parser.add_argument("--fraction", type=float, default=None)
     try:
         args = parser.parse_args(argv)
     except SystemExit:
         return 2
     die_with_agent()
-    params = Params.model_validate_json(Path(args.worker).read_text())
+    run = ResolvedRun.read(Path(args.worker))
     if not sys.stdout.isatty():
         os.environ.setdefault("TQDM_DISABLE", "1")
-    o = params.train.online
-    flags, source = None, None
-    if params.train.hidden_states == "online" and o.endpoint:
-        endpoint = online.endpoint_for_rank(o.endpoint)
-        flags = online.speculators_flags(o, endpoint)
+    t = run.settings.train
+    source = None
+    if t.hidden_states == "online" and t.online.endpoint:
+        endpoint = online.endpoint_for_rank(t.online.endpoint)
         source = online.OnlineSource(endpoint, f"the vLLM server at {endpoint}")
+        settings = dataclasses.replace(
+            run.settings,
+            online_flags=online.speculators_flags(t.online, endpoint),
+            online_api_key=online.trainer_key(),
+        )
+        run = dataclasses.replace(run, settings=settings)
     try:
-        _train(params, _inputs(params, args.family_key, args.fraction), flags, source)
+        _train_resolved(run, source)
     except KeyboardInterrupt:
         return 130
     return 0

@@ -22,13 +22,13 @@ OUTPUT_DIR = str(paths.VERIFIER)
 def run(params: Params) -> None:
     out_dir = Path(OUTPUT_DIR)
     if params.verifier.source == "pretrained":
-        config = vf.read_config(params.verifier.path)
-        vf.check_remote_code(params, config)
-        layers, hidden, vocab = vf.shape(config)
+        facts = vf.read_verifier(params.verifier)
+        facts.check_remote_code()
+        layers, hidden, vocab = vf.shape(facts.config)
         with atomic.replace_dir(out_dir) as tmp:
             atomic.write_json(
                 tmp / "identity.json",
-                vf.identity(params)
+                facts.identity
                 | {"num_hidden_layers": layers, "hidden_size": hidden, "vocab_size": vocab},
             )
         log(STAGE, f"pretrained verifier {params.verifier.path}: {layers} layers, vocab {vocab}")
@@ -39,8 +39,9 @@ def run(params: Params) -> None:
             f"{OUTPUT_DIR}: set verifier.path: {OUTPUT_DIR}"
         )
     with atomic.replace_dir(out_dir) as tmp:
-        stats = build_tiny(params, tmp)
+        stats = build_tiny(params.verifier.tiny, params.seed, tmp)
         atomic.write_json(tmp / "build_stats.json", stats)
-    atomic.write_json(out_dir / "identity.json", vf.identity(params))
-    layers, _, vocab = vf.shape(vf.read_config(out_dir))
+    facts = vf.read_verifier(params.verifier)
+    atomic.write_json(out_dir / "identity.json", facts.identity)
+    layers, vocab = facts.num_layers, facts.vocab_size
     log(STAGE, f"tiny verifier written to {out_dir}: {layers} layers, vocab {vocab}")

@@ -33,7 +33,7 @@ def run(params: Params) -> None:
     import torch
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-    _, _, target_vocab = vf.shape(vf.read_config(params.verifier.path))
+    target_vocab = vf.read_verifier(params.verifier).vocab_size
     draft_vocab = params.vocab.draft_vocab_size
     if draft_vocab > target_vocab:
         raise ParamsError(

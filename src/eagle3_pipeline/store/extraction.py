@@ -14,11 +14,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.config.params import VllmParams
 from eagle3_pipeline.core import paths
 from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.verifier import loading
 from eagle3_pipeline.verifier.capture import LayerCapture, forward_hidden_states
+from eagle3_pipeline.verifier.identity import VerifierFacts
 
 if TYPE_CHECKING:
     import torch
@@ -48,10 +49,10 @@ def token_budget_batches(lengths: dict[str, int], max_tokens: int) -> list[list[
 
 
 @contextlib.contextmanager
-def hf_backend(params: Params, layer_ids: list[int]) -> Iterator[BatchFn]:
+def hf_backend(verifier: VerifierFacts, layer_ids: list[int]) -> Iterator[BatchFn]:
     """transformers forward with hooks; right-padded batches, padding cut off per sample."""
 
-    model = loading.load_model(params)
+    model = loading.load_model(verifier)
     capture = LayerCapture(model, layer_ids)
 
     def run_batch(batch_ids: list[list[int]]) -> list[torch.Tensor]:
@@ -65,17 +66,38 @@ def hf_backend(params: Params, layer_ids: list[int]) -> Iterator[BatchFn]:
 
 
 @contextlib.contextmanager
-def vllm_backend(params: Params, layer_ids: list[int], work: Path) -> Iterator[BatchFn]:
+def vllm_backend(
+    verifier: VerifierFacts,
+    v: VllmParams,
+    layer_ids: list[int],
+    work: Path,
+    *,
+    max_tokens_per_batch: int,
+    seed: int,
+) -> Iterator[BatchFn]:
     """vLLM's extract_hidden_states; its connector writes into `work`."""
     from eagle3_pipeline.serving import hidden_states as vllm_extract
 
-    with vllm_extract.engine(params, layer_ids, work) as eng:
+    with vllm_extract.engine(
+        verifier, v, layer_ids, work, max_tokens_per_batch=max_tokens_per_batch, seed=seed
+    ) as eng:
         yield eng.extract
 
 
 def open_backend(
-    params: Params, layer_ids: list[int], work: Path
+    backend: str,
+    verifier: VerifierFacts,
+    v: VllmParams,
+    layer_ids: list[int],
+    work: Path,
+    *,
+    max_tokens_per_batch: int,
+    seed: int,
 ) -> contextlib.AbstractContextManager[BatchFn]:
-    if params.extract.backend == "vllm":
-        return vllm_backend(params, layer_ids, work)
-    return hf_backend(params, layer_ids)
+    """extract.backend `backend`'s batch function (`v`, `max_tokens_per_batch` and `seed`: the
+    vLLM engine's)."""
+    if backend == "vllm":
+        return vllm_backend(
+            verifier, v, layer_ids, work, max_tokens_per_batch=max_tokens_per_batch, seed=seed
+        )
+    return hf_backend(verifier, layer_ids)

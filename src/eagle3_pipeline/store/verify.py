@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.config.layer_ids import resolve_layer_ids
-from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.config.params import LayersParams
 from eagle3_pipeline.core import paths, readers
 from eagle3_pipeline.core.errors import StoreError
 from eagle3_pipeline.core.progress import Progress, log
 from eagle3_pipeline.store import format as store
-from eagle3_pipeline.verifier import identity as vf
+from eagle3_pipeline.verifier.identity import VerifierFacts
 
 TOKENIZED_DIR = paths.TOKENIZED
 MAX_LISTED = 20  # files named in a report; the rest are counted
@@ -49,12 +49,13 @@ def _check_one(root: Path, entry: dict, layout: store.StoreLayout, row: dict | N
     return problems
 
 
-def verify(params: Params, root: Path) -> dict[str, list[str]]:
-    """{file or manifest field: problems}; empty when the store is good."""
+def verify(verifier: VerifierFacts, layers: LayersParams, root: Path) -> dict[str, list[str]]:
+    """{file or manifest field: problems}; empty when the store is good (`layers`: the layer
+    ids params ask for)."""
     manifest = store.read_manifest(root)
     bad: dict[str, list[str]] = {}
-    n_layers, hidden, _ = vf.shape(vf.read_config(params.verifier.path))
-    aux, final = resolve_layer_ids(params.layers, n_layers)
+    hidden = verifier.hidden_size
+    aux, final = resolve_layer_ids(layers, verifier.num_layers)
     layout = store.layout_of(manifest)
     if (layout.aux_layer_ids, layout.final_layer_id) != (aux, final):
         bad[store.MANIFEST] = [
@@ -95,10 +96,12 @@ def verify(params: Params, root: Path) -> dict[str, list[str]]:
     return bad
 
 
-def main(params: Params, store_dir: str = str(paths.HIDDEN_STATES)) -> int:
+def main(
+    verifier: VerifierFacts, layers: LayersParams, store_dir: str = str(paths.HIDDEN_STATES)
+) -> int:
     """Print a report; 0 when every file is good, 1 otherwise."""
     root = Path(store_dir)
-    bad = verify(params, root)
+    bad = verify(verifier, layers, root)
     manifest = store.read_manifest(root)
     if not bad:
         log(

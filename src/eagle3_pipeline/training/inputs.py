@@ -1,22 +1,26 @@
-"""What every process of one training run derives alike from params and the stage's inputs.
+"""What one training run is, resolved once by the stage's process (the driver).
 
 The `train` stage builds a `TrainInputs` (training/family rows, the run's conventions, its scratch
-folder) once per process: the driver, and each torchrun worker again from the params the driver
-wrote. `settings` turns params and inputs into the run's TrainSettings; `nodes` and `distributed`
-say how many machines and processes train (training/launch.py launches them).
+folder) and turns params and inputs into the run's TrainSettings. Torchrun workers get the
+result, a `ResolvedRun` the driver writes to the run's scratch folder: they never rebuild the run
+from params (nor hash the store again, nor lose a learning-curve fraction). `nodes` and
+`distributed` say how many machines and processes train (training/launch.py launches them).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from eagle3_pipeline.config.params import Params
-from eagle3_pipeline.core import paths
+from eagle3_pipeline.config.training_params import ClusterParams, TrainParams
+from eagle3_pipeline.core import atomic
 from eagle3_pipeline.drafter.conventions import RunConventions
-from eagle3_pipeline.training.data import TrainingSample, train_data_ratio_for
+from eagle3_pipeline.training.data import TrainingSample
 from eagle3_pipeline.training.run import TrainSettings
+from eagle3_pipeline.verifier.identity import VerifierFacts
 
 STAGE = "train"
 
@@ -33,6 +37,7 @@ class TrainInputs:
     positions: list[int] | None = None  # the run's layers in the store's files (final last)
     mask: tuple[int, str] | None = None  # P-EAGLE/DFlash mask token id, and how it was chosen
     record_as: str = STAGE  # the stage name of cluster records: train, or family@NAME
+    verifier: VerifierFacts | None = None  # as the stage read it (online mode serves it)
 
     @property
     def aux(self) -> list[int]:
@@ -56,36 +61,49 @@ class TrainInputs:
         return self.work / "live"
 
 
-def run_settings(
-    params: Params,
-    inputs: TrainInputs,
-    online_flags: dict | None,
-    online_api_key: str | None = None,
-) -> TrainSettings:
-    """The run's TrainSettings; `online_flags` and `online_api_key`: online mode's
-    (online_training/source.py)."""
-    found = TrainSettings.from_params(
-        params.train,
-        data_dir=inputs.data_dir,
-        save_dir=inputs.save_dir,
-        verifier_dir=Path(params.verifier.path),
-        vocab_dir=paths.VOCAB,
-        draft_vocab_size=params.vocab.draft_vocab_size,
-        conventions=inputs.conventions,
-        train_data_ratio=train_data_ratio_for(inputs.n_train, len(inputs.samples)),
-        nodes=nodes(params),
-        mask_token_id=inputs.mask[0] if inputs.mask else None,
-        store_positions=inputs.positions,
-        verifier_num_layers=inputs.final,
-    )
-    return dataclasses.replace(found, online_flags=online_flags, online_api_key=online_api_key)
-
-
-def nodes(params: Params) -> int:
+def nodes(c: ClusterParams) -> int:
     """Training nodes: cluster.training_nodes on a Ray cluster, else this machine alone."""
-    return params.cluster.training_nodes if params.cluster.engine == "ray" else 1
+    return c.training_nodes if c.engine == "ray" else 1
 
 
-def distributed(params: Params) -> bool:
+def distributed(t: TrainParams, c: ClusterParams) -> bool:
     """More than one training process: launched through torchrun."""
-    return params.train.nproc > 1 or nodes(params) > 1
+    return t.nproc > 1 or nodes(c) > 1
+
+
+# TrainSettings fields a worker sets itself: its rank's server, and the key kept out of files.
+_PER_PROCESS = {"online_flags", "online_api_key"}
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """What a torchrun worker trains: the driver's TrainSettings (online mode's per-rank flags and
+    key left out), the sample id of each row (for a refused row's name) and where rank 0 logs."""
+
+    settings: TrainSettings
+    row_ids: list[str]
+    live_dir: Path
+
+    def write(self, path: Path) -> Path:
+        settings: dict[str, Any] = {}
+        for f in dataclasses.fields(self.settings):
+            if f.name in _PER_PROCESS:
+                continue
+            value = getattr(self.settings, f.name)
+            if isinstance(value, TrainParams):
+                value = value.model_dump(mode="json")
+            elif isinstance(value, Path):
+                value = str(value)
+            settings[f.name] = value
+        record = {"settings": settings, "row_ids": self.row_ids, "live_dir": str(self.live_dir)}
+        return atomic.write_json(path, record)
+
+    @classmethod
+    def read(cls, path: Path) -> ResolvedRun:
+        record = json.loads(Path(path).read_text())
+        settings = dict(record["settings"])
+        settings["train"] = TrainParams.model_validate(settings["train"])
+        for f in dataclasses.fields(TrainSettings):
+            if f.type in ("Path", Path) and settings.get(f.name) is not None:
+                settings[f.name] = Path(settings[f.name])
+        return cls(TrainSettings(**settings), list(record["row_ids"]), Path(record["live_dir"]))

@@ -1,12 +1,12 @@
 """Multi-process training: torchrun on one node, or one torchrun agent per node of a Ray cluster;
 signals forwarded, no orphans left behind.
 
-`launch` writes the run's params to its scratch folder and starts `python -m MODULE --worker
-PARAMS_JSON` per process (MODULE: the stage's, whose worker entry builds the run again from those
-params). With `cluster.engine: ray` the workers run under one torchrun agent per training node
-(cluster/torchrun.py: c10d rendezvous; a lost node relaunches from the last complete epoch), on
-the training pool when online training has one (online_training/pools.py), and which node did
-what goes into the stage's provenance.
+`launch` writes the driver's resolved run (training/inputs.ResolvedRun) to its scratch folder
+and starts `python -m MODULE --worker RUN_JSON` per process (MODULE: the stage's, whose worker
+entry trains that run as it is). With `cluster.engine: ray` the workers run under one torchrun
+agent per training node (cluster/torchrun.py: c10d rendezvous; a lost node relaunches from the
+last complete epoch), on the training pool when online training has one
+(online_training/pools.py), and which node did what goes into the stage's provenance.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ import subprocess
 import sys
 from typing import Any, Protocol
 
-from eagle3_pipeline.config.params import Params
-from eagle3_pipeline.core import atomic
+from eagle3_pipeline.config.training_params import ClusterParams
 from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.training.checkpoints import discard_incomplete, resume_epoch
-from eagle3_pipeline.training.inputs import TrainInputs, nodes
+from eagle3_pipeline.training.inputs import ResolvedRun, TrainInputs, nodes
 from eagle3_pipeline.training.metrics import trim_live
 from eagle3_pipeline.training.run import TrainingInterrupted
 
@@ -41,6 +40,7 @@ class ServerPools(Protocol):
 
 
 STAGE = "train"
+RUN_FILE = "run.json"  # the resolved run, in the run's scratch folder
 
 
 def torchrun_command(nproc: int, module: str, args: list[str]) -> list[str]:
@@ -97,34 +97,40 @@ def _die_with_parent() -> None:
 
 
 def launch(
-    params: Params,
+    c: ClusterParams,
+    run: ResolvedRun,
     inputs: TrainInputs,
     module: str,
     pools: ServerPools | None = None,
-    worker_args: list[str] | None = None,
 ) -> None:
-    """One worker (`python -m MODULE --worker PARAMS_JSON [WORKER_ARGS]`) per process under
-    torchrun, from the params written to scratch; `worker_args` say what else the driver's run
-    is (a learning-curve fraction), so that every worker trains the driver's rows."""
-    spec = inputs.work / "params.json"
-    atomic.write_text(spec, params.model_dump_json())
-    worker = ["--worker", str(spec.resolve()), *(worker_args or [])]
-    if params.cluster.engine == "ray":
-        _launch_on_cluster(params, inputs, module, worker, pools)
+    """One worker (`python -m MODULE --worker RUN_JSON`) per process under torchrun (on the
+    nodes of cluster `c` with engine ray), each training `run` (written to the run's scratch
+    folder) as the driver resolved it: its rows (a learning-curve fraction's), its scratch
+    folder, its server."""
+    spec = run.write(inputs.work / RUN_FILE)
+    worker = ["--worker", str(spec.resolve())]
+    t = run.settings.train
+    if c.engine == "ray":
+        _launch_on_cluster(c, run, inputs, module, worker, pools)
         return
-    cmd = torchrun_command(params.train.nproc, module, worker)
-    log(STAGE, f"launching {params.train.nproc} processes ({params.train.strategy}): torchrun")
+    cmd = torchrun_command(t.nproc, module, worker)
+    log(STAGE, f"launching {t.nproc} processes ({t.strategy}): torchrun")
     launch_torchrun(cmd)
 
 
 def _launch_on_cluster(
-    params: Params, inputs: TrainInputs, module: str, worker: list[str], pools: ServerPools | None
+    c: ClusterParams,
+    run: ResolvedRun,
+    inputs: TrainInputs,
+    module: str,
+    worker: list[str],
+    pools: ServerPools | None,
 ) -> None:
     """One torchrun agent per training node (cluster.torchrun), on the training pool when
     online training has one; record who did what."""
     from eagle3_pipeline.cluster import engine, preflight, record, torchrun
 
-    c = params.cluster
+    t = run.settings.train
     engine.connect(c)
 
     def before_attempt(number: int) -> None:
@@ -142,16 +148,15 @@ def _launch_on_cluster(
 
     log(
         STAGE,
-        f"launching {nodes(params)} nodes x {params.train.nproc} processes "
-        f"({params.train.strategy}): torchrun through Ray",
+        f"launching {nodes(c)} nodes x {t.nproc} processes ({t.strategy}): torchrun through Ray",
     )
     rec = torchrun.run_across_nodes(
         c,
-        params.train.nproc,
+        t.nproc,
         module,
         worker,
         before_attempt=before_attempt,
-        check_nodes=lambda found: preflight.check(found, c, params.verifier.path),
+        check_nodes=lambda found: preflight.check(found, c, str(run.settings.verifier_dir)),
         exclude=frozenset(n.node_id for n in pools.inference) if pools else frozenset(),
         env_for=pools.trainer_env if pools else lambda node: {},
         servers_lost=pools.newly_lost if pools else lambda: [],

@@ -2,29 +2,110 @@
 
 Kimi-K2.5 is multimodal and keeps its language model's config under `text_config` (or
 `language_model`); everything here looks through that nesting so callers see one flat text config.
+
+A stage reads the verifier once (`read_verifier`: config.json opened, hashed and checked once)
+and hands the `VerifierFacts` down; the floors below take the facts, never params, so nothing
+below a stage opens config.json again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.config.params import VerifierParams
 from eagle3_pipeline.core.errors import VerifierError
 
 _NESTED_KEYS = ("text_config", "language_model", "llm_config")
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
+    return json.loads(_config_bytes(path))
+
+
+def _config_bytes(path: str | Path) -> bytes:
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
         raise VerifierError(
             f"{cfg_file}: not found: run the 'verifier' stage (tiny profiles) or set verifier.path "
             "to a local model directory"
         )
-    return json.loads(cfg_file.read_text())
+    return cfg_file.read_bytes()
+
+
+@dataclass(frozen=True)
+class VerifierFacts:
+    """The verifier as a run knows it: where it is, how it is named and loaded, and its
+    config.json, read once. Its text model's shape and type look through multimodal wrappers."""
+
+    path: str
+    name: str | None
+    revision: str | None
+    trust_remote_code: bool
+    config: dict[str, Any]  # config.json as written (a multimodal wrapper's whole)
+    config_sha256: str
+
+    @property
+    def text(self) -> dict[str, Any]:
+        return text_config(self.config)
+
+    @property
+    def num_layers(self) -> int:
+        return shape(self.config)[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return shape(self.config)[1]
+
+    @property
+    def vocab_size(self) -> int:
+        return shape(self.config)[2]
+
+    @property
+    def model_type(self) -> str | None:
+        return self.text.get("model_type")
+
+    @property
+    def multimodal(self) -> bool:
+        """A wrapper around the language model: vLLM builds it text-only."""
+        return is_multimodal_wrapper(self.config)
+
+    @property
+    def custom_code(self) -> bool:
+        return has_custom_code(self.config)
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """How the verifier is named in manifests and drafter configs: never an absolute path."""
+        return {
+            "name_or_path": self.name or self.path,
+            "revision": self.revision,
+            "config_sha256": self.config_sha256,
+        }
+
+    @property
+    def shape_record(self) -> dict[str, Any]:
+        return shape_record(self.config)
+
+    def check_remote_code(self, where: str | None = None) -> None:
+        check_remote_code(self.config, self.trust_remote_code, where or f"{self.path}/config.json")
+
+
+def read_verifier(v: VerifierParams) -> VerifierFacts:
+    """The verifier of params' `verifier` section, config.json read and hashed once; a missing
+    one is refused in one line (run the verifier stage, or point verifier.path at a model)."""
+    raw = _config_bytes(v.path)
+    return VerifierFacts(
+        path=v.path,
+        name=v.name,
+        revision=v.revision,
+        trust_remote_code=v.trust_remote_code,
+        config=json.loads(raw),
+        config_sha256=hashlib.sha256(raw).hexdigest(),
+    )
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -47,23 +128,10 @@ def is_multimodal_wrapper(config: dict[str, Any]) -> bool:
     return text_config(config) is not config
 
 
-def language_model_only(path: str | Path) -> bool:
-    """Whether vLLM should serve the verifier at `path` text-only (a multimodal wrapper).
-
-    False when there is no local config.json to read (a hub id vLLM resolves itself)."""
-    if not (Path(path) / "config.json").is_file():
-        return False
-    return is_multimodal_wrapper(read_config(path))
-
-
 def shape(config: dict[str, Any]) -> tuple[int, int, int]:
     """(num_hidden_layers, hidden_size, vocab_size) of the text model."""
     tc = text_config(config)
     return int(tc["num_hidden_layers"]), int(tc["hidden_size"]), int(tc["vocab_size"])
-
-
-def config_sha256(path: str | Path) -> str:
-    return hashlib.sha256((Path(path) / "config.json").read_bytes()).hexdigest()
 
 
 def files_stamp(path: str | Path) -> str:
@@ -109,16 +177,6 @@ def content_stamp(path: str | Path) -> str:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
-def identity(params: Params) -> dict[str, Any]:
-    """How the verifier is named in manifests and drafter configs: never an absolute path."""
-    v = params.verifier
-    return {
-        "name_or_path": v.name or v.path,
-        "revision": v.revision,
-        "config_sha256": config_sha256(v.path),
-    }
-
-
 def shape_record(config: dict[str, Any]) -> dict[str, Any]:
     """The text model's type and sizes: what names a verifier where its config.json's bytes
     cannot be compared (a plan from a copy of the config, not the verifier's own file)."""
@@ -141,11 +199,11 @@ def has_custom_code(config: dict[str, Any]) -> bool:
     return needs_remote_code(config) or needs_remote_code(text_config(config))
 
 
-def check_remote_code(params: Params, config: dict[str, Any], where: str | None = None) -> None:
-    """vLLM and transformers refuse auto_map models without trust_remote_code, at hour one."""
-    if has_custom_code(config) and not params.verifier.trust_remote_code:
+def check_remote_code(config: dict[str, Any], trust_remote_code: bool, where: str) -> None:
+    """vLLM and transformers refuse auto_map models without trust_remote_code, at hour one;
+    `where`: the config.json as the user knows it."""
+    if has_custom_code(config) and not trust_remote_code:
         raise VerifierError(
-            f"{where or f'{params.verifier.path}/config.json'} has auto_map (custom code) but "
-            "verifier.trust_remote_code is false: set verifier.trust_remote_code: true if you "
-            "trust this model's code"
+            f"{where} has auto_map (custom code) but verifier.trust_remote_code is false: set "
+            "verifier.trust_remote_code: true if you trust this model's code"
         )

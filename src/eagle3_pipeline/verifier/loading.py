@@ -5,40 +5,32 @@ Weights are always read from `verifier.path`; `trust_remote_code` only when para
 
 from __future__ import annotations
 
-from eagle3_pipeline.config.params import Params
+from eagle3_pipeline.config.params import VerifierParams
 from eagle3_pipeline.core.errors import VerifierError
-from eagle3_pipeline.verifier.identity import (
-    check_remote_code,
-    is_multimodal_wrapper,
-    needs_remote_code,
-    read_config,
-)
+from eagle3_pipeline.verifier.identity import VerifierFacts, needs_remote_code
 
 
-def load_tokenizer(params: Params):  # -> PreTrainedTokenizerBase
+def load_tokenizer(v: VerifierParams | VerifierFacts):  # -> PreTrainedTokenizerBase
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(
-        params.verifier.path,
-        revision=params.verifier.revision,
-        trust_remote_code=params.verifier.trust_remote_code,
+        v.path, revision=v.revision, trust_remote_code=v.trust_remote_code
     )
 
 
-def load_model(params: Params, dtype: str = "auto"):  # -> PreTrainedModel
+def load_model(verifier: VerifierFacts, dtype: str = "auto"):  # -> PreTrainedModel
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    config = read_config(params.verifier.path)
-    check_remote_code(params, config)
+    verifier.check_remote_code()
     # A wrapper without remote code (transformers' own Kimi_K25) is no *ForCausalLM; its
     # image-text-to-text class takes text alone and has generate() and lm_head all the same.
-    native_wrapper = is_multimodal_wrapper(config) and not needs_remote_code(config)
+    native_wrapper = verifier.multimodal and not needs_remote_code(verifier.config)
     auto = AutoModelForImageTextToText if native_wrapper else AutoModelForCausalLM
     model = auto.from_pretrained(
-        params.verifier.path,
-        revision=params.verifier.revision,
-        trust_remote_code=params.verifier.trust_remote_code,
+        verifier.path,
+        revision=verifier.revision,
+        trust_remote_code=verifier.trust_remote_code,
         dtype=dtype if dtype == "auto" else getattr(torch, dtype),
     )
     model.eval()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from eagle3_pipeline.config.params import Params, TinyVerifierParams
+from eagle3_pipeline.config.params import TinyVerifierParams
 from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.core.progress import Progress, log
 from eagle3_pipeline.core.readers import read_jsonl
@@ -226,16 +226,15 @@ def _token_stream(tokenizer, texts: list[str], chats: list[dict], seed: int) -> 
     return stream
 
 
-def build_tiny(params: Params, out_dir: Path) -> dict:
+def build_tiny(tiny: TinyVerifierParams, seed: int, out_dir: Path) -> dict:
     import torch
 
-    tiny = params.verifier.tiny
-    torch.manual_seed(params.seed)
+    torch.manual_seed(seed)
     texts, chats = _read_corpus(Path(tiny.corpus))
     tok_texts = texts + [f"{c['question']} {c['thinking']} {c['answer']}" for c in chats]
     tokenizer = _train_tokenizer(tok_texts, tiny.vocab_size)
-    model = _build_model(tiny, tokenizer, params.seed)
-    stream = _token_stream(tokenizer, texts, chats, params.seed)
+    model = _build_model(tiny, tokenizer, seed)
+    stream = _token_stream(tokenizer, texts, chats, seed)
     if len(stream) <= tiny.train_seq_len + 1:
         raise DataError(f"{tiny.corpus}: corpus too small for train_seq_len={tiny.train_seq_len}")
     log(
@@ -243,7 +242,7 @@ def build_tiny(params: Params, out_dir: Path) -> dict:
         f"training tiny verifier: {sum(p.numel() for p in model.parameters()):,} params, "
         f"{len(stream):,} corpus tokens, {tiny.train_steps} steps",
     )
-    first, last = _train(model, stream, tiny, params.seed)
+    first, last = _train(model, stream, tiny, seed)
     log(STAGE, f"verifier loss {first:.3f} -> {last:.3f}")
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -98,7 +98,7 @@ def test_eagle3_1_branch_sets_its_flags_over_train_flags() -> None:
         {"train": {"flags": flags}, "families": {"e31": {"name": "eagle3.1"}}}
     )
     branch, _ = family_branch(params, "e31")
-    conv = resolve(branch, 8, None)
+    conv = resolve(branch.layers, branch.train, 8, None)
     assert conv.flags == {
         "norm_before_residual": False,
         "norm_before_fc": False,
@@ -107,4 +107,4 @@ def test_eagle3_1_branch_sets_its_flags_over_train_flags() -> None:
     }
     assert conv.sources["fc_norm"] == "family eagle3.1"
     assert conv.sources["norm_before_residual"] == "params"
-    assert resolve(params, 8, None).flags == flags | {"fc_norm": False}
+    assert resolve(params.layers, params.train, 8, None).flags == flags | {"fc_norm": False}

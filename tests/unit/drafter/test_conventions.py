@@ -9,6 +9,7 @@ import pytest
 from builders import AQ_MEDAI as AQ_MEDAI_FILE
 from builders import make_params, model_files, pretrained
 
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import CheckpointError
 from eagle3_pipeline.drafter import conventions as conv
 
@@ -51,22 +52,24 @@ def test_speculators_config_as_written() -> None:
     }
 
 
+def _resolve(params: Params, num_layers: int, init: tuple | None) -> conv.RunConventions:
+    return conv.resolve(params.layers, params.train, num_layers, init)
+
+
 def test_no_init_is_speculators_defaults_and_params_win() -> None:
-    run = conv.resolve(make_params(KIMI_LAYERS), 61, None)
+    run = _resolve(make_params(KIMI_LAYERS), 61, None)
     assert run.flags == conv.TRAINER_DEFAULT_FLAGS and run.layer_config is None
-    run = conv.resolve(
-        make_params(KIMI_LAYERS, train={"flags": {"norm_before_fc": False}}), 61, None
-    )
+    run = _resolve(make_params(KIMI_LAYERS, train={"flags": {"norm_before_fc": False}}), 61, None)
     assert not run.flags["norm_before_fc"] and run.sources["norm_before_fc"] == "params"
 
 
 def test_init_adopts_and_refuses(tmp_path: Path) -> None:
     init = (AQ_MEDAI, tmp_path / "config.json")
-    run = conv.resolve(make_params(KIMI_LAYERS), 61, init)
+    run = _resolve(make_params(KIMI_LAYERS), 61, init)
     assert run.flags == dict.fromkeys(conv.FLAGS, False) and run.layer_config["head_dim"] == 128
     with pytest.raises(CheckpointError, match="train.flags.norm_output true vs the checkpoint's"):
-        conv.resolve(make_params(KIMI_LAYERS, train={"flags": {"norm_output": True}}), 61, init)
-    allowed = conv.resolve(
+        _resolve(make_params(KIMI_LAYERS, train={"flags": {"norm_output": True}}), 61, init)
+    allowed = _resolve(
         make_params(KIMI_LAYERS, train={"flags": {"norm_output": True}, "init_mismatch": "allow"}),
         61,
         init,
@@ -76,17 +79,17 @@ def test_init_adopts_and_refuses(tmp_path: Path) -> None:
 
 def test_both_norms_before_fc_refused() -> None:
     with pytest.raises(CheckpointError, match="norm_before_fc and fc_norm both true"):
-        conv.resolve(make_params(KIMI_LAYERS, train={"flags": {"fc_norm": True}}), 61, None)
+        _resolve(make_params(KIMI_LAYERS, train={"flags": {"fc_norm": True}}), 61, None)
 
 
 def test_run_conventions_reads_init_from(tmp_path: Path) -> None:
     model_files(tmp_path, config=AQ_MEDAI)
-    run = conv.run_conventions(make_params(KIMI_LAYERS, train={"init_from": str(tmp_path)}), 61)
+    p = make_params(KIMI_LAYERS, train={"init_from": str(tmp_path)})
+    run = conv.run_conventions(p.layers, p.train, 61)
     assert run.init_file == tmp_path / "config.json" and run.init.origin == "specforge"
     with pytest.raises(CheckpointError, match="not found"):
-        conv.run_conventions(
-            make_params(KIMI_LAYERS, train={"init_from": str(tmp_path / "missing")}), 61
-        )
+        p = make_params(KIMI_LAYERS, train={"init_from": str(tmp_path / "missing")})
+        conv.run_conventions(p.layers, p.train, 61)
 
 
 def test_evaluate_reads_a_specforge_drafter_as_published(tmp_path: Path) -> None:

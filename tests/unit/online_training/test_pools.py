@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from builders import make_params, pretrained
 
 from eagle3_pipeline.cluster import engine, torchrun
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.config.training_params import ClusterParams
 from eagle3_pipeline.core.errors import ParamsError
 from eagle3_pipeline.in_vllm import entry_points
 from eagle3_pipeline.online_training import pools as cluster_online
+from eagle3_pipeline.online_training import source as online
 from eagle3_pipeline.online_training.source import OnlineSource
+from eagle3_pipeline.verifier.identity import VerifierFacts
 
 A = engine.Node("a" * 56, "10.0.0.1")
 B = engine.Node("b" * 56, "10.0.0.2")
@@ -60,19 +65,33 @@ ONLINE_RAY = {
 }
 
 
+# The verifier as the stage read it; these tests never load it (the server spec is faked).
+FACTS = VerifierFacts("data/verifier", None, None, False, {}, "")
+
+
+def _online_source(params: Params, work: Path):
+    return online.online_source(params.train.online, FACTS, params.vllm, [1, 2], work)
+
+
+def _uses_pools(params: Params) -> bool:
+    return cluster_online.uses_pools(params.train, params.cluster)
+
+
 def test_pools_only_when_this_stage_starts_the_server_on_a_ray_cluster() -> None:
-    assert cluster_online.uses_pools(make_params(ONLINE_RAY))
-    assert not cluster_online.uses_pools(
+    assert _uses_pools(make_params(ONLINE_RAY))
+    assert not _uses_pools(
         make_params(ONLINE_RAY, train={"online": {"endpoint": "http://h:8000/v1"}})
     )
-    assert not cluster_online.uses_pools(make_params(ONLINE_RAY, train={"hidden_states": "store"}))
+    assert not _uses_pools(make_params(ONLINE_RAY, train={"hidden_states": "store"}))
     local = make_params(ONLINE_RAY).model_copy(update={"cluster": ClusterParams()})
-    assert not cluster_online.uses_pools(local)
+    assert not _uses_pools(local)
 
 
 def test_mooncake_server_config_names_the_node_and_master() -> None:
     params = make_params(ONLINE_RAY, train={"online": {"backend": "mooncake"}})
-    kv = cluster_online.mooncake_kv_config(params, "10.0.0.1:50051", "10.0.0.1")
+    kv = cluster_online.mooncake_kv_config(
+        params.train.online.mooncake, "10.0.0.1:50051", "10.0.0.1"
+    )
     assert kv["kv_connector"] == "CPUMooncakeHiddenStatesConnector"
     assert kv["kv_connector_module_path"] == entry_points.MOONCAKE_CONNECTOR
     mooncake = kv["kv_connector_extra_config"]["mooncake"]
@@ -140,7 +159,6 @@ def test_a_server_this_stage_starts_wants_the_run_s_own_key(
     import contextlib
     import types
 
-    from eagle3_pipeline.online_training import source as online
     from eagle3_pipeline.serving import hidden_state_server, hidden_states, server
 
     specs = []
@@ -157,7 +175,7 @@ def test_a_server_this_stage_starts_wants_the_run_s_own_key(
     )
     keys = []
     for _ in range(2):
-        with online.online_source(make_params(ONLINE_RAY), [1, 2], tmp_path) as source:
+        with _online_source(make_params(ONLINE_RAY), tmp_path) as source:
             assert source.api_key and source.api_key == specs[-1].api_key
             assert source.api_key not in source.name + repr(source)
             assert online.trainer_env(source) == {"EAGLE3_VLLM_API_KEY": source.api_key}
@@ -165,10 +183,10 @@ def test_a_server_this_stage_starts_wants_the_run_s_own_key(
     assert keys[0] != keys[1] and len(keys[0]) >= 32  # per run
     given = make_params(ONLINE_RAY, train={"online": {"endpoint": "http://h:8000/v1"}})
     monkeypatch.delenv("EAGLE3_VLLM_API_KEY", raising=False)
-    with online.online_source(given, [1, 2], tmp_path) as source:
+    with _online_source(given, tmp_path) as source:
         assert source.api_key is None and online.trainer_env(source) == {}
     monkeypatch.setenv("EAGLE3_VLLM_API_KEY", "users-key")
-    with online.online_source(given, [1, 2], tmp_path) as source:
+    with _online_source(given, tmp_path) as source:
         assert source.api_key == "users-key"
 
 

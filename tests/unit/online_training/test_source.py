@@ -14,6 +14,7 @@ import stand_in_server as stand_in
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import ServerDown
 from eagle3_pipeline.online_training import source as online
+from eagle3_pipeline.verifier.identity import read_verifier
 
 
 def test_a_stopped_server_interrupts_training_and_says_why(
@@ -24,7 +25,9 @@ def test_a_stopped_server_interrupts_training_and_says_why(
     t0 = time.monotonic()
     with (
         pytest.raises(ServerDown) as raised,
-        online.online_source(params, [2, 4, 5, 8], tmp_path) as source,
+        online.online_source(
+            params.train.online, read_verifier(params.verifier), params.vllm, [2, 4, 5, 8], tmp_path
+        ) as source,
     ):
         stand_in.kill(source.endpoint.removesuffix("/v1"), "engine")
         time.sleep(60)  # training, waiting on the server: interrupted, not waited out

@@ -21,6 +21,7 @@ from eagle3_pipeline.serving import server as vllm_server
 from eagle3_pipeline.serving.server import ServerSpec, command
 from eagle3_pipeline.serving.server_spec import model_args, verifier_spec
 from eagle3_pipeline.stages import evaluate, generate
+from eagle3_pipeline.verifier.identity import read_verifier
 
 REVISION = "0123abcd"
 PINNED_FLAGS = ["--trust-remote-code", "--language-model-only", "--revision", REVISION]
@@ -72,7 +73,8 @@ def _carries_pinned_verifier(spec: ServerSpec, verifier: Path) -> None:
 
 def test_spec_carries_pinned(verifier: Path, tmp_path: Path) -> None:
     params = _pinned(verifier, extra_args=["--max-num-seqs", "4"], tensor_parallel_size=2)
-    spec = verifier_spec(params, tmp_path / "x.log", reasoning_parser="deepseek_r1")
+    facts = read_verifier(params.verifier)
+    spec = verifier_spec(facts, params.vllm, tmp_path / "x.log", reasoning_parser="deepseek_r1")
     assert spec.model == str(verifier) and spec.log_file == tmp_path / "x.log"
     assert spec.revision == REVISION and spec.trust_remote_code and spec.language_model_only
     assert spec.max_model_len == 512 and spec.enforce_eager is False
@@ -83,16 +85,19 @@ def test_spec_carries_pinned(verifier: Path, tmp_path: Path) -> None:
     # Revision just before extra_args: generate's command line is the one it always was.
     assert flags[-6:] == [*PINNED_FLAGS, "--max-num-seqs", "4"]
     assert "--enforce-eager" not in flags and "--dtype" not in flags
-    assert _flags(verifier_spec(params, tmp_path / "x.log", dtype="float32"))[-4:-2] == [
+    assert _flags(verifier_spec(facts, params.vllm, tmp_path / "x.log", dtype="float32"))[
+        -4:-2
+    ] == [
         "--dtype",
         "float32",
     ]
 
 
 def test_plain_verifier_adds_no_flags(tmp_path: Path) -> None:
-    """No revision, no remote code, a hub id without a local config.json: none of the flags."""
-    params = Params.model_validate({"verifier": {"source": "pretrained", "path": "org/model"}})
-    flags = _flags(verifier_spec(params, tmp_path / "x.log"))
+    """No revision, no remote code, no multimodal wrapper: none of the flags."""
+    plain = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 300}
+    params = make_params(verifier=pretrained(fake_verifier(tmp_path / "verifier", plain)))
+    flags = _flags(verifier_spec(read_verifier(params.verifier), params.vllm, tmp_path / "x.log"))
     for flag in (*PINNED_FLAGS[:3], "--dtype"):
         assert flag not in flags
     assert "--enforce-eager" in flags
@@ -110,7 +115,8 @@ def test_every_vllm_start_loads_the_pinned_verifier(
         yield "http://127.0.0.1:1"
 
     monkeypatch.setattr(vllm_server, "serve", fake_serve)
-    with generate._servers(params):  # one on loopback (cluster.engine: local)
+    facts = read_verifier(params.verifier)
+    with generate._servers(params, facts):  # one on loopback (cluster.engine: local)
         pass
 
     def fake_measure(spec: ServerSpec, conversations: list, settings: oe.Settings):
@@ -135,11 +141,18 @@ def test_every_vllm_start_loads_the_pinned_verifier(
 
     # extract's in-process engine (the connector is vLLM's business, not this test's)
     monkeypatch.setattr(hidden_states, "connector_config", lambda storage_dir: {})
-    kw = hidden_states.engine_kwargs(params, [1, 2, 3, 4], tmp_path / "hs")
+    kw = hidden_states.engine_kwargs(
+        facts,
+        params.vllm,
+        [1, 2, 3, 4],
+        tmp_path / "hs",
+        max_tokens_per_batch=params.extract.max_tokens_per_batch,
+        seed=params.seed,
+    )
     assert kw["revision"] == REVISION
     assert kw["trust_remote_code"] is True and kw["language_model_only"] is True
     assert kw["dtype"] == "auto"  # the checkpoint names none
-    shared = {k: v for k, v in model_args(params).items() if k != "dtype"}
+    shared = {k: v for k, v in model_args(facts, params.vllm).items() if k != "dtype"}
     assert {k: kw[k] for k in shared} == shared
     for spec in starts.values():
         assert {k: getattr(spec, k) for k in shared} == shared

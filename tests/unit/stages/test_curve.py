@@ -38,7 +38,7 @@ def _counts(fraction: float) -> curve.Counts:
     return curve.Counts([10] * len(VAL), [ACCEPTED[fraction] + i % 3 for i in range(len(VAL))])
 
 
-def _fake_simulate(params: Params, dirs: dict[str, Path], only: set[str] | None = None):
+def _fake_simulate(params: Params, verifier, dirs: dict[str, Path], only: set[str] | None = None):
     """Counts as if each drafter were simulated: the fraction's from its folder's name (a
     folder named otherwise counts as the full run's); with `only`, those val samples alone."""
     ids = curve.val_ids(VAL, None, only)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from builders import make_params
+from builders import fake_verifier, make_params
 from online_runs import fake_run, stepped_run, write_val_prompts
 
 from eagle3_pipeline.config.params import Params
@@ -31,8 +31,10 @@ def test_mismatch_rule() -> None:
 
 @pytest.fixture
 def stage_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The val prompts, and the verifier's config.json the stage reads its facts from."""
     monkeypatch.chdir(tmp_path)
     write_val_prompts(tmp_path)
+    fake_verifier(tmp_path / "data/verifier")
     return tmp_path
 
 
@@ -70,7 +72,7 @@ def test_stage_online_section_and_mismatch_line(
     _served_by(monkeypatch, fake)
     params = make_params(ONLINE, evaluate={"mismatch_ratio": 0.5})
     section, mismatched, verdict = evaluate.run_online(params)
-    out = rules.online_verdict(section, 3.0, mismatched, params, verdict)
+    out = rules.online_verdict(section, 3.0, mismatched, params.evaluate, verdict)
 
     rounds = [call for call in seen if not call[2].top_logprobs]
     assert len(rounds) == 2 * params.evaluate.speedup_rounds
@@ -123,7 +125,7 @@ def test_public_sets_lead_eval_json_and_leave_out_what_training_holds(
     )
     section, mismatched, verdict = evaluate.run_online(params, held_out=True)
     held = section.pop("held_out")
-    online = rules.online_verdict(section, 3.0, mismatched, params, verdict)["online"]
+    online = rules.online_verdict(section, 3.0, mismatched, params.evaluate, verdict)["online"]
     served = evaluate.served_headline(online, held, params)
 
     assert public_ids[0] == [second.messages[0]["content"], third.messages[0]["content"]]
@@ -150,7 +152,7 @@ def test_stage_reports_differing_greedy_outputs(
     _served_by(monkeypatch, fake)
     params = make_params(ONLINE)
     section, mismatched, verdict = evaluate.run_online(params)
-    out = rules.online_verdict(section, 2.0, mismatched, params, verdict)
+    out = rules.online_verdict(section, 2.0, mismatched, params.evaluate, verdict)
     assert mismatched == ["p1"]
     assert out["greedy_outputs_identical"] is False
     assert out["online"]["greedy_mismatched_ids"] == ["p1"]
@@ -178,7 +180,7 @@ def test_stage_passes_near_ties_and_records_them(
     _served_by(monkeypatch, fake)
     params = make_params(ONLINE)
     section, mismatched, verdict = evaluate.run_online(params)
-    out = rules.online_verdict(section, 2.0, mismatched, params, verdict)
+    out = rules.online_verdict(section, 2.0, mismatched, params.evaluate, verdict)
     rules.require_lossless(verdict, Path("logs"))  # passes
     assert out["greedy_outputs_identical"] is False and mismatched == ["p1"]
     lossless = out["lossless"]
@@ -226,7 +228,7 @@ def test_alarm_compares_with_the_same_prompts_figure(capsys: pytest.CaptureFixtu
     params = make_params(ONLINE)
     same = {"mean_acceptance_length": 2.5, "num_drafts": 100}
     # whole val says 3.2 (the coarse rule is quiet: 1.3 >= 0.5 x 2.2); same prompts say 2.5
-    out = rules.online_verdict(_section(2.3), 3.2, [], params, offline_same=same)
+    out = rules.online_verdict(_section(2.3), 3.2, [], params.evaluate, offline_same=same)
     assert out["mismatch"] is True  # 1.3 vs 1.5 accepted per draft: 13% short
     rule = out["mismatch_rule"]
     assert rule["compared_with"] == "offline_same_prompts"
@@ -234,7 +236,7 @@ def test_alarm_compares_with_the_same_prompts_figure(capsys: pytest.CaptureFixtu
     assert rule["mismatch_tolerance"] == params.evaluate.mismatch_tolerance == 0.1
     lines = [x for x in capsys.readouterr().out.splitlines() if "MISMATCH" in x]
     assert len(lines) == 1 and "evaluate.mismatch_tolerance=0.1" in lines[0]
-    out = rules.online_verdict(_section(2.47), 3.2, [], params, offline_same=same)
+    out = rules.online_verdict(_section(2.47), 3.2, [], params.evaluate, offline_same=same)
     assert out["mismatch"] is False  # 2% short
 
 
@@ -248,7 +250,7 @@ def test_each_swept_count_is_logged_beside_its_simulated_walk(
     }
     rows = {"2": _section(2.1) | {"speedup": 2.4}, "3": _section(2.5)}
     section = _section(2.5) | {"by_num_speculative_tokens": rows, "best_num_speculative_tokens": 2}
-    out = rules.online_verdict(section, 3.2, [], make_params(ONLINE), offline_same=same)
+    out = rules.online_verdict(section, 3.2, [], make_params(ONLINE).evaluate, offline_same=same)
     key = "offline_same_prompts_mean_acceptance_length"
     by = out["online"]["by_num_speculative_tokens"]
     assert by["2"][key] == 2.1 and by["3"][key] == 2.5 and out["mismatch"] is False
@@ -262,10 +264,10 @@ def test_each_swept_count_is_logged_beside_its_simulated_walk(
 
 def test_alarm_falls_back_to_the_ratio_without_a_same_prompts_figure() -> None:
     params = make_params(ONLINE, evaluate={"mismatch_ratio": 0.5})
-    out = rules.online_verdict(_section(2.3), 3.2, [], params)
+    out = rules.online_verdict(_section(2.3), 3.2, [], params.evaluate)
     assert out["mismatch"] is False and out["mismatch_rule"]["compared_with"] == "offline"
     empty = {"mean_acceptance_length": 1.0, "num_drafts": 0}  # no online prompt in the store
-    out = rules.online_verdict(_section(1.2), 3.2, [], params, offline_same=empty)
+    out = rules.online_verdict(_section(1.2), 3.2, [], params.evaluate, offline_same=empty)
     assert out["mismatch"] is True and out["mismatch_rule"]["mismatch_ratio"] == 0.5
 
 
@@ -468,7 +470,9 @@ def test_a_branch_is_checked_against_its_own_simulation(
 
     simulated: list[str] = []
 
-    def simulate(params: Params, name: str, drafter_dir: Path, own: list) -> dict[str, Any]:
+    def simulate(
+        params: Params, name: str, drafter_dir: Path, own: list, verifier: object = None
+    ) -> dict[str, Any]:
         simulated.append(name)
         same = {"num_drafts": 12, "mean_acceptance_length": 3.0, "num_prompts": 3}
         return {
@@ -478,7 +482,9 @@ def test_a_branch_is_checked_against_its_own_simulation(
 
     _served_by(monkeypatch, fake)
     monkeypatch.setattr(evaluate, "simulate_family", simulate)
-    monkeypatch.setattr(evaluate, "_trained_layers", lambda params, family=None: [2, 4, 5])
+    monkeypatch.setattr(
+        evaluate, "_trained_layers", lambda params, verifier, family=None: [2, 4, 5]
+    )
     params = make_params(
         ONLINE, families={"df": {"name": "dflash", "block_size": 4}, "pe": {"name": "peagle"}}
     )
@@ -512,7 +518,7 @@ def test_the_stage_writes_no_speedup_when_the_rounds_disagree(
     _served_by(monkeypatch, fake)
     params = make_params(ONLINE)
     section, mismatched, verdict = evaluate.run_online(params)
-    out = rules.online_verdict(section, 2.0, mismatched, params, verdict)
+    out = rules.online_verdict(section, 2.0, mismatched, params.evaluate, verdict)
     online = json.loads(json.dumps(out))["online"]
     assert online["speedup"] is None and online["speedup_spread"] == pytest.approx(0.75)
     assert online["speedup_rounds"] == [2.0, 2.0, 0.5, 2.0, 2.0]

@@ -69,7 +69,7 @@ def test_killed_run_redoes_at_most_one_batch(verifier, tmp_path, monkeypatch) ->
                 raise KeyboardInterrupt
             return [torch.zeros(len(ids), len(AUX_IDS) + 1, 64) for ids in batch]
 
-        return lambda *_args: contextlib.nullcontext(run_batch)
+        return lambda *_args, **_kwargs: contextlib.nullcontext(run_batch)
 
     params = make_params(verifier, "vllm")
     monkeypatch.setattr(extract, "open_backend", fake_backend(fail_at=2))

@@ -147,7 +147,9 @@ def test_a_connector_failure_ends_extract_with_the_mount_and_need(
         marker.touch()
         raise hidden_states.write_failure(str(vllm_dir / "req-0.safetensors"))
 
-    monkeypatch.setattr(extract, "open_backend", lambda *_a: contextlib.nullcontext(run_batch))
+    monkeypatch.setattr(
+        extract, "open_backend", lambda *_a, **_kw: contextlib.nullcontext(run_batch)
+    )
     with pytest.raises(disk.DiskError) as err:
         extract.run(params)
     msg = str(err.value)

@@ -53,8 +53,8 @@ def _recording_backend(calls: list[list[list[int]]]):
     counts: list[int] = []
     inner = fake_backend(counts)
 
-    def open_backend(*args):
-        compute = inner(*args).__enter__()
+    def open_backend(*args, **kwargs):
+        compute = inner(*args, **kwargs).__enter__()
 
         def run_batch(batch):
             calls.append(batch)

@@ -11,6 +11,7 @@ from extract_workdir import fake_backend, load_params, make_workdir
 from eagle3_pipeline.stages import extract
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.store import verify as store_verify
+from eagle3_pipeline.verifier.identity import read_verifier
 
 ODD = ["sharegpt/12345", "urn:uuid:4f1c2a9e:8b1d", "prompt-é日本", "..", ".hidden", "ABC", "abc"]
 
@@ -41,4 +42,4 @@ def test_odd_ids_go_through_extract_and_store_verify(
     assert len(set(f.casefold() for f in files)) == 20
     assert not [f for f in files if f.startswith(".") or "/" in f or len(f) > 200]
     assert sorted(p.name for p in out.iterdir()) == sorted([*files, store.MANIFEST])
-    assert store_verify.main(params, store_dir=str(out)) == 0
+    assert store_verify.main(read_verifier(params.verifier), params.layers, store_dir=str(out)) == 0

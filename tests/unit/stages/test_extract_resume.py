@@ -145,8 +145,8 @@ def test_batch_n_is_written_while_batch_n_plus_1_is_computed(
     second_started = threading.Event()
     fake = fake_backend(calls)
 
-    def open_backend(*args):
-        compute = fake(*args).__enter__()
+    def open_backend(*args, **kwargs):
+        compute = fake(*args, **kwargs).__enter__()
 
         def run_batch(batch):
             if calls:

@@ -15,7 +15,7 @@ from eagle3_pipeline.stages import extract
 N, BUDGET = 24, 300
 
 
-def _no_backend(*_args):
+def _no_backend(*_args, **_kwargs):
     raise AssertionError("the merge had nothing left to extract but started the model")
 
 
@@ -59,8 +59,8 @@ def test_merge_extracts_what_missing_shards_left(
     real = extract.open_backend
 
     @contextlib.contextmanager
-    def counting(*args):
-        with real(*args) as run_batch:
+    def counting(*args, **kwargs):
+        with real(*args, **kwargs) as run_batch:
             yield lambda batch: (calls.append(len(batch)), run_batch(batch))[1]
 
     monkeypatch.setattr(extract, "open_backend", counting)

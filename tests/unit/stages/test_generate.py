@@ -88,9 +88,9 @@ def test_resume_after_kill(tmp_path: Path, tiny_verifier_dir: Path, monkeypatch)
     monkeypatch.setattr(
         generate,
         "_generate_hf",
-        lambda p, batches, j, pr: (
+        lambda p, v, batches, j, pr: (
             generated_batches.extend(batches),
-            original_gen(p, batches, j, pr),
+            original_gen(p, v, batches, j, pr),
         )[1],
     )
     generate.run(params)

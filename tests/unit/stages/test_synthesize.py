@@ -112,7 +112,7 @@ def _run(
     import contextlib
 
     @contextlib.contextmanager
-    def opened(_params, _tokenizer):
+    def opened(_verifier, _synthesize, _vllm, _tokenizer):
         assert sampler is not None, "the stage started a sampler"
         yield sampler
 

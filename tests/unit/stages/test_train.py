@@ -1,7 +1,7 @@
-"""stages/train.py's torchrun workers rebuild the driver's inputs, a learning-curve fraction
-included: the same rows and the scratch folder the driver publishes from (a worker that trained
-every row elsewhere would leave the fraction's checkpoints empty); 1 process and 2 train the
-same rows, the fraction's, as their loaders recorded them."""
+"""stages/train.py's torchrun workers train the run the driver resolved, a learning-curve
+fraction included: the same rows and the scratch folder the driver publishes from (a worker that
+trained every row elsewhere would leave the fraction's checkpoints empty), never rebuilt from
+params; 1 process and 2 train the same rows, the fraction's, as their loaders recorded them."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from eagle3_pipeline.conversations import split
 from eagle3_pipeline.stages import train
 from eagle3_pipeline.training import launch as launch_module
 from eagle3_pipeline.training.data import ids_hash
-from eagle3_pipeline.training.publish import Outputs
 
 
 @pytest.fixture
@@ -31,25 +30,26 @@ def test_each_worker_trains_the_drivers_fraction(workspace: Path, monkeypatch) -
     params.train.nproc = 2
     params.curve.fractions = [0.5]
     driver = train._inputs(params, "train.family", 0.5)
+    every_row = train._inputs(params)
+    assert driver.n_train < every_row.n_train  # the fraction is a part: the test can tell
     commands: list[list[str]] = []
     monkeypatch.setattr(launch_module, "launch_torchrun", commands.append)
-    launch_module.launch(
-        params, driver, train.__name__, worker_args=train._worker_args(Outputs(), 0.5)
-    )
+    launch_module.launch(params.cluster, train._resolved(params, driver), driver, train.__name__)
     argv = commands[0][commands[0].index(train.__name__) + 1 :]
+    assert argv == ["--worker", str((driver.work / launch_module.RUN_FILE).resolve())]
+
+    def rebuilt(*_args, **_kwargs):
+        raise AssertionError("a worker rebuilt the run from params")
 
     seen: list = []
     monkeypatch.setattr(train, "die_with_agent", lambda: None)
-    monkeypatch.setattr(train, "_train", lambda p, inputs, *a: seen.append(inputs))
+    monkeypatch.setattr(train, "_inputs", rebuilt)
+    monkeypatch.setattr(train, "_train_resolved", lambda run, source=None: seen.append(run))
     assert train._worker_main(argv) == 0
     worker = seen[0]
-    assert (worker.work, worker.n_train, worker.row_ids) == (
-        driver.work,
-        driver.n_train,
-        driver.row_ids,
-    )
-    every_row = train._inputs(params)
-    assert driver.n_train < every_row.n_train  # the fraction is a part: the test can tell
+    assert worker.settings == train.run_settings(params, driver, None)
+    assert (worker.settings.data_dir, worker.row_ids) == (driver.data_dir, driver.row_ids)
+    assert worker.live_dir == driver.live_dir
 
 
 def test_a_worker_with_a_bad_command_line_says_how_to_call_it(capsys) -> None:

@@ -10,9 +10,11 @@ import torch
 from builders import fake_verifier, make_params, params_file, pretrained
 
 from eagle3_pipeline.cli import main as cli_main
+from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import StoreError
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.store import verify as store_verify
+from eagle3_pipeline.verifier.identity import read_verifier
 
 AUX, FINAL, HIDDEN = [2, 4, 5], 8, 16
 
@@ -51,6 +53,10 @@ def workdir(request, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+def _verify(params: Params, store_dir: str) -> int:
+    return store_verify.main(read_verifier(params.verifier), params.layers, store_dir=store_dir)
+
+
 def test_good_store_passes(workdir: Path, capsys) -> None:
     assert cli_main(["store", "verify"]) == 0
     assert "OK: data/hidden_states: 4 files" in capsys.readouterr().out
@@ -70,7 +76,7 @@ def test_bad_files_are_listed_with_reasons(workdir: Path, capsys) -> None:
     rows[2]["input_ids"][0] = (rows[2]["input_ids"][0] + 1) % 300  # c: store from other inputs
     Path("data/tokenized/train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
-    assert store_verify.main(make_params(Path("params.yaml")), store_dir=str(root)) == 1
+    assert _verify(make_params(Path("params.yaml")), str(root)) == 1
     out = capsys.readouterr().out
     bad = {
         line.split(":")[0].removeprefix("BAD "): line
@@ -98,7 +104,7 @@ def test_hardlinked_damage_names_the_dvc_fix(workdir: Path, capsys) -> None:
         fh.write(bytes(data))
     with pytest.raises(StoreError, match="1 file"):
         store.verify_hashes(root, store.read_manifest(root))
-    assert store_verify.main(make_params(Path("params.yaml")), store_dir=str(root)) == 1
+    assert _verify(make_params(Path("params.yaml")), str(root)) == 1
     out = capsys.readouterr().out
     assert f"chmod u+w {root / 'a.safetensors'} && dvc repro extract" in out
 
@@ -106,7 +112,7 @@ def test_hardlinked_damage_names_the_dvc_fix(workdir: Path, capsys) -> None:
 def test_layer_ids_other_than_params_are_reported(workdir: Path, capsys) -> None:
     params = make_params(Path("params.yaml")).model_copy(deep=True)
     params.layers.aux_layer_ids = [1, 4, 5]
-    assert store_verify.main(params, store_dir="data/hidden_states") == 1
+    assert _verify(params, "data/hidden_states") == 1
     assert (
         "manifest.json: layer ids [2, 4, 5, 8], params ask for [1, 4, 5, 8]"
         in capsys.readouterr().out
