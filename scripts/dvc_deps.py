@@ -102,7 +102,7 @@ def main(argv: list[str], root: Path = REPO) -> int:
         print("dvc.yaml: stage deps rewritten from the imports")
     params_file = root / "params.yaml"
     if params_file.is_file():
-        changed = stage_deps.changed_path_params(load_params(params_file), root)
+        changed = stage_deps.changed_path_params(load_params(params_file).model_dump(), root)
         for line in changed:
             print(f"error: {line}", file=sys.stderr)
         if changed:

@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage == "provenance":
             print(provenance.show(args.target), flush=True)
             return 0
-        stage_deps.check_path_params(args.stage, params)
+        stage_deps.check_path_params(args.stage, params.model_dump())
         module = importlib.import_module(f"eagle3_pipeline.stages.{args.stage}")
         t0 = time.monotonic()
         shard = getattr(args, "shard", None)

@@ -125,7 +125,7 @@ def test_a_changed_checkpoint_at_the_same_path_stops_make_train(
     repo = _kimi_repo(tmp_path, init)
     params = load_params(repo / "params.yaml")
     for stage in ("train", "export", "evaluate", "extract"):  # as each stage starts
-        stage_deps.check_path_params(stage, params, repo)
+        stage_deps.check_path_params(stage, params.model_dump(), repo)
     assert set(yaml.safe_load((repo / stage_deps.RECORDS).read_text())) == {
         "train",
         "export",
@@ -141,6 +141,6 @@ def test_a_changed_checkpoint_at_the_same_path_stops_make_train(
         "`make train`\n"
     )
     for stage in ("train", "export", "evaluate"):
-        stage_deps.check_path_params(stage, params, repo)
+        stage_deps.check_path_params(stage, params.model_dump(), repo)
     assert dvc_deps.main([], root=repo) == 0
     assert (repo / "dvc.yaml").read_text() == (REPO / "dvc.yaml").read_text()

@@ -19,13 +19,11 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from eagle3_pipeline.core import atomic
-
-if TYPE_CHECKING:
-    from eagle3_pipeline.config.params import Params
 
 PKG = Path(__file__).resolve().parents[1]  # src/eagle3_pipeline
 GUESTS = PKG / "in_vllm"  # the code vLLM loads by name (in_vllm/entry_points.py)
@@ -115,16 +113,18 @@ def closure(module: str) -> set[Path]:
     return {module_file(m) for m in seen if module_file(m).name != "__init__.py"}
 
 
-def path_params(stage: str, params: Params) -> dict[str, str]:
-    """{param key: path} of the files this stage reads through its params, where set."""
+def path_params(stage: str, values: Mapping[str, Any]) -> dict[str, str]:
+    """{param key: path} of the files this stage reads through its params, where set.
+
+    `values`: the validated params as a mapping (`Params.model_dump()`): PATH_PARAMS names its
+    keys as dotted strings, and this module reads nothing else of them."""
     found = {}
     for key in PATH_PARAMS.get(stage, ()):
-        if key == "verifier.tiny.corpus" and params.verifier.source != "tiny":
+        if key == "verifier.tiny.corpus" and values["verifier"]["source"] != "tiny":
             continue
-        section, *rest = key.split(".")
-        value = getattr(params, section)
-        for attr in rest:
-            value = getattr(value, attr)
+        value: Any = values
+        for part in key.split("."):
+            value = value[part]
         if value:
             found[key] = str(value)
     return found
@@ -170,11 +170,11 @@ def fingerprint(path: Path) -> str:
     return h.hexdigest()
 
 
-def outside_deps(stage: str, params: Params, root: Path) -> dict[str, str]:
+def outside_deps(stage: str, values: Mapping[str, Any], root: Path) -> dict[str, str]:
     """The stage's path params that lie under none of its dvc.yaml deps."""
     dvc_yaml = root / "dvc.yaml"
     deps = stage_dep_paths(dvc_yaml.read_text(), stage) if dvc_yaml.is_file() else []
-    return {k: p for k, p in path_params(stage, params).items() if not covered(p, deps, root)}
+    return {k: p for k, p in path_params(stage, values).items() if not covered(p, deps, root)}
 
 
 def _records(root: Path) -> dict[str, dict[str, dict[str, str]]]:
@@ -184,10 +184,10 @@ def _records(root: Path) -> dict[str, dict[str, dict[str, str]]]:
         return {}
 
 
-def check_path_params(stage: str, params: Params, root: Path = Path(".")) -> None:
+def check_path_params(stage: str, values: Mapping[str, Any], root: Path = Path(".")) -> None:
     """Record what the stage reads through path params outside its deps (the CLI calls this as
     the stage starts), for changed_path_params to compare later."""
-    found = outside_deps(stage, params, root)
+    found = outside_deps(stage, values, root)
     records = _records(root)
     if not found and stage not in records:
         return
@@ -198,13 +198,13 @@ def check_path_params(stage: str, params: Params, root: Path = Path(".")) -> Non
     atomic.write_text(root / RECORDS, json.dumps(records, indent=1, sort_keys=True) + "\n")
 
 
-def changed_path_params(params: Params, root: Path = Path(".")) -> list[str]:
+def changed_path_params(values: Mapping[str, Any], root: Path = Path(".")) -> list[str]:
     """One line per path param whose files changed, at the same path, since the stages that read
     it last ran: DVC, which sees only the value, would not rerun them."""
     records = _records(root)
     stale: dict[tuple[str, str], list[str]] = {}
     for stage in PATH_PARAMS:
-        for key, path in outside_deps(stage, params, root).items():
+        for key, path in outside_deps(stage, values, root).items():
             was = records.get(stage, {}).get(key)
             if was and was["path"] == path and was["fingerprint"] != fingerprint(root / path):
                 stale.setdefault((key, path), []).append(stage)

@@ -18,9 +18,9 @@ import dvc_deps  # noqa: E402
 
 def test_the_default_corpus_is_covered_by_data_corpus() -> None:
     params = load_params(REPO / "params.yaml")
-    assert stage_deps.path_params("verifier", params) == {
+    assert stage_deps.path_params("verifier", params.model_dump()) == {
         "verifier.tiny.corpus": "data/corpus/verifier_corpus.jsonl"
     }
-    stage_deps.check_path_params("verifier", params, REPO)
+    stage_deps.check_path_params("verifier", params.model_dump(), REPO)
     text = (REPO / "dvc.yaml").read_text()
     assert dvc_deps.rewrite(text, list(yaml.safe_load(text)["stages"])) == text
