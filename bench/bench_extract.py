@@ -114,20 +114,25 @@ def plan(params_path: str, samples: int | None):
     return params, layout, rows, token_budget_batches(lengths, params.extract.max_tokens_per_batch)
 
 
+def extraction_engine(params):
+    """The engine the extract stage builds from these params (stages/extract.py)."""
+    from eagle3_pipeline.serving.hidden_states import ExtractionEngine
+    from eagle3_pipeline.verifier.identity import read_verifier
+
+    return ExtractionEngine(
+        read_verifier(params.verifier),
+        params.vllm,
+        params.extract.max_tokens_per_batch,
+        params.seed,
+    )
+
+
 def bare_engine_kwargs(params, layer_ids: list[int], tmp: Path) -> dict:
     """The stage engine's kwargs without the hidden-state capture (method and connector)."""
     from eagle3_pipeline.serving.hidden_states import engine_kwargs
-    from eagle3_pipeline.verifier.identity import read_verifier
 
     drop = ("speculative_config", "kv_transfer_config")
-    kwargs = engine_kwargs(
-        read_verifier(params.verifier),
-        params.vllm,
-        layer_ids,
-        tmp,
-        max_tokens_per_batch=params.extract.max_tokens_per_batch,
-        seed=params.seed,
-    )
+    kwargs = engine_kwargs(extraction_engine(params), layer_ids, tmp)
     return {k: v for k, v in kwargs.items() if k not in drop}
 
 
@@ -140,17 +145,13 @@ def worker(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         if args.worker == "stage":
             from eagle3_pipeline.store.extraction import open_backend
-            from eagle3_pipeline.verifier.identity import read_verifier
 
             run_batch = stack.enter_context(
                 open_backend(
                     params.extract.backend,
-                    read_verifier(params.verifier),
-                    params.vllm,
+                    extraction_engine(params),
                     layout.layer_ids,
                     tmp / "vllm-files",
-                    max_tokens_per_batch=params.extract.max_tokens_per_batch,
-                    seed=params.seed,
                 )
             )
 

@@ -32,14 +32,13 @@ def verifier(tiny_verifier_dir: Path) -> Path:
 
 
 def _engine_kwargs(params: Params) -> dict:
-    return vllm_extract.engine_kwargs(
+    engine = vllm_extract.ExtractionEngine(
         read_verifier(params.verifier),
         params.vllm,
-        [*AUX_IDS, N_LAYERS],
-        Path("scratch"),
-        max_tokens_per_batch=params.extract.max_tokens_per_batch,
-        seed=params.seed,
+        params.extract.max_tokens_per_batch,
+        params.seed,
     )
+    return vllm_extract.engine_kwargs(engine, [*AUX_IDS, N_LAYERS], Path("scratch"))
 
 
 @pytest.mark.vllm  # imports vLLM (through the CPU connector module)

@@ -30,12 +30,12 @@ def test_connector_write_failure_ends_extract_at_once(
     ready: list[float] = []
 
     @contextlib.contextmanager
-    def on_a_tiny_disk(backend, verifier, v, layer_ids, work, **engine):
+    def on_a_tiny_disk(backend, engine, layer_ids, work):
         target = work  # the folder vLLM's connector writes into
         if not mount_tmpfs(target, "16k"):
             pytest.skip("cannot mount a tmpfs here (needs root); the unit test injects ENOSPC")
         mounts.append(target)
-        with real_open(backend, verifier, v, layer_ids, work, **engine) as run_batch:
+        with real_open(backend, engine, layer_ids, work) as run_batch:
             ready.append(time.monotonic())
             yield run_batch
 

@@ -26,10 +26,10 @@ from eagle3_pipeline.core.errors import DataError, ParamsError
 from eagle3_pipeline.core.progress import Progress, log
 from eagle3_pipeline.drafter import load as drafter_load
 from eagle3_pipeline.evaluation import offline
+from eagle3_pipeline.serving.hidden_states import ExtractionEngine
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.store.extraction import open_backend, token_budget_batches
 from eagle3_pipeline.verifier import identity as vf
-from eagle3_pipeline.verifier.identity import VerifierFacts
 
 STAGE = "probe-layers"
 WORK_DIR = paths.SCRATCH / "probe"
@@ -75,8 +75,7 @@ def probe_rows(limit: int) -> list[dict[str, Any]]:
 
 
 def extract(
-    params: Params,
-    verifier: VerifierFacts,
+    engine: ExtractionEngine,
     rows: list[dict[str, Any]],
     layout: store.StoreLayout,
     backend: str,
@@ -86,16 +85,8 @@ def extract(
     progress = Progress(STAGE, sum(len(r["input_ids"]) for r in rows), unit="tok")
     by_id = {r["id"]: r for r in rows}
     lengths = {r["id"]: len(r["input_ids"]) for r in rows}
-    with open_backend(
-        backend,
-        verifier,
-        params.vllm,
-        layout.layer_ids,
-        WORK_DIR / "vllm",
-        max_tokens_per_batch=params.extract.max_tokens_per_batch,
-        seed=params.seed,
-    ) as run_batch:
-        for ids in token_budget_batches(lengths, params.extract.max_tokens_per_batch):
+    with open_backend(backend, engine, layout.layer_ids, WORK_DIR / "vllm") as run_batch:
+        for ids in token_budget_batches(lengths, engine.max_tokens_per_batch):
             batch = [by_id[i] for i in ids]
             states = run_batch([r["input_ids"] for r in batch])
             written = store.write_samples(
@@ -143,7 +134,10 @@ def run(
     )
     shutil.rmtree(WORK_DIR, ignore_errors=True)
     try:
-        entries = extract(params, verifier, rows, layout, backend)
+        engine = ExtractionEngine(
+            verifier, params.vllm, params.extract.max_tokens_per_batch, params.seed
+        )
+        entries = extract(engine, rows, layout, backend)
         head = offline.VerifierHead(
             params.verifier.path,
             float(verifier.text.get("rms_norm_eps", 1e-6)),

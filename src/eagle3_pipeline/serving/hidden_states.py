@@ -22,6 +22,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,17 +77,19 @@ def check_layer_ids(config: dict[str, Any], layer_ids: list[int]) -> None:
         )
 
 
-def engine_kwargs(
-    verifier: VerifierFacts,
-    v: VllmParams,
-    layer_ids: list[int],
-    storage_dir: Path,
-    *,
-    max_tokens_per_batch: int,
-    seed: int,
-) -> dict[str, Any]:
-    """Arguments of vllm.LLM for extraction (`max_tokens_per_batch`: extract's); vllm.extra_args
-    may override all but `required`.
+@dataclass(frozen=True)
+class ExtractionEngine:
+    """What vLLM's extraction engine is built from, resolved once by the stage that starts it:
+    the verifier's facts, the vllm section, and the caller's token budget per batch and seed."""
+
+    verifier: VerifierFacts
+    vllm: VllmParams
+    max_tokens_per_batch: int
+    seed: int
+
+
+def engine_kwargs(e: ExtractionEngine, layer_ids: list[int], storage_dir: Path) -> dict[str, Any]:
+    """Arguments of vllm.LLM for extraction; vllm.extra_args may override all but `required`.
 
     Prefix caching stays off whatever extra_args say: a cached prefix is not recomputed, so its
     hidden states would be missing from the file. Chunked prefill stays as vLLM sets it (on): the
@@ -94,10 +97,11 @@ def engine_kwargs(
     (`get_finished`), whatever chunks computed them, and vLLM warns against turning it off.
     """
     ordered, _ = vllm_layer_order(layer_ids)
-    check_layer_ids(verifier.config, layer_ids)
-    defaults = model_args(verifier, v, dtype=engine_dtype(verifier.config)) | {
-        "max_num_batched_tokens": max(v.max_model_len, max_tokens_per_batch),
-        "seed": seed,
+    v = e.vllm
+    check_layer_ids(e.verifier.config, layer_ids)
+    defaults = model_args(e.verifier, v, dtype=engine_dtype(e.verifier.config)) | {
+        "max_num_batched_tokens": max(v.max_model_len, e.max_tokens_per_batch),
+        "seed": e.seed,
     }
     required = {
         "enable_prefix_caching": False,
@@ -227,20 +231,12 @@ def clear_dir(path: Path) -> None:
 
 @contextlib.contextmanager
 def engine(
-    verifier: VerifierFacts,
-    v: VllmParams,
-    layer_ids: list[int],
-    storage_dir: Path,
-    *,
-    max_tokens_per_batch: int,
-    seed: int,
+    e: ExtractionEngine, layer_ids: list[int], storage_dir: Path
 ) -> Iterator[HiddenStateEngine]:
     """An extraction engine (engine_kwargs) writing to `storage_dir`, removed on exit."""
-    kwargs = engine_kwargs(
-        verifier, v, layer_ids, storage_dir, max_tokens_per_batch=max_tokens_per_batch, seed=seed
-    )
+    kwargs = engine_kwargs(e, layer_ids, storage_dir)
     clear_dir(storage_dir)
-    eng = HiddenStateEngine(kwargs, v, layer_ids)
+    eng = HiddenStateEngine(kwargs, e.vllm, layer_ids)
     try:
         yield eng
     finally:

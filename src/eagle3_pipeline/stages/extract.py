@@ -46,6 +46,7 @@ from eagle3_pipeline.core import atomic, disk, paths, readers, resume
 from eagle3_pipeline.core.errors import StoreError
 from eagle3_pipeline.core.progress import Progress, log
 from eagle3_pipeline.harness import published
+from eagle3_pipeline.serving.hidden_states import ExtractionEngine
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.store import names
 from eagle3_pipeline.store.extraction import open_backend, token_budget_batches
@@ -323,12 +324,9 @@ def run(params: Params, shard: tuple[int, int] | None = None) -> None:
             disk.guard(STAGE, work, still_needed),
             open_backend(
                 params.extract.backend,
-                verifier,
-                params.vllm,
+                ExtractionEngine(verifier, params.vllm, max_tokens, params.seed),
                 layout.layer_ids,
                 backend_dir / VLLM_FILES,
-                max_tokens_per_batch=max_tokens,
-                seed=params.seed,
             ) as run_batch,
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer") as writer,
         ):

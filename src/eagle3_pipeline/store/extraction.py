@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3_pipeline.config.params import VllmParams
 from eagle3_pipeline.core import paths
 from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.verifier import loading
@@ -23,6 +22,8 @@ from eagle3_pipeline.verifier.identity import VerifierFacts
 
 if TYPE_CHECKING:
     import torch
+
+    from eagle3_pipeline.serving.hidden_states import ExtractionEngine
 
 # A batch of token id lists -> one [seq, n_ids, hidden] tensor per sample, in layer-id order.
 BatchFn = Callable[[list[list[int]]], "list[torch.Tensor]"]
@@ -66,38 +67,19 @@ def hf_backend(verifier: VerifierFacts, layer_ids: list[int]) -> Iterator[BatchF
 
 
 @contextlib.contextmanager
-def vllm_backend(
-    verifier: VerifierFacts,
-    v: VllmParams,
-    layer_ids: list[int],
-    work: Path,
-    *,
-    max_tokens_per_batch: int,
-    seed: int,
-) -> Iterator[BatchFn]:
+def vllm_backend(e: ExtractionEngine, layer_ids: list[int], work: Path) -> Iterator[BatchFn]:
     """vLLM's extract_hidden_states; its connector writes into `work`."""
     from eagle3_pipeline.serving import hidden_states as vllm_extract
 
-    with vllm_extract.engine(
-        verifier, v, layer_ids, work, max_tokens_per_batch=max_tokens_per_batch, seed=seed
-    ) as eng:
+    with vllm_extract.engine(e, layer_ids, work) as eng:
         yield eng.extract
 
 
 def open_backend(
-    backend: str,
-    verifier: VerifierFacts,
-    v: VllmParams,
-    layer_ids: list[int],
-    work: Path,
-    *,
-    max_tokens_per_batch: int,
-    seed: int,
+    backend: str, e: ExtractionEngine, layer_ids: list[int], work: Path
 ) -> contextlib.AbstractContextManager[BatchFn]:
-    """extract.backend `backend`'s batch function (`v`, `max_tokens_per_batch` and `seed`: the
-    vLLM engine's)."""
+    """extract.backend `backend`'s batch function (`e`: the verifier's facts, and the vLLM
+    engine's settings where the backend is vllm)."""
     if backend == "vllm":
-        return vllm_backend(
-            verifier, v, layer_ids, work, max_tokens_per_batch=max_tokens_per_batch, seed=seed
-        )
-    return hf_backend(verifier, layer_ids)
+        return vllm_backend(e, layer_ids, work)
+    return hf_backend(e.verifier, layer_ids)

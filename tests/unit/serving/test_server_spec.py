@@ -141,14 +141,10 @@ def test_every_vllm_start_loads_the_pinned_verifier(
 
     # extract's in-process engine (the connector is vLLM's business, not this test's)
     monkeypatch.setattr(hidden_states, "connector_config", lambda storage_dir: {})
-    kw = hidden_states.engine_kwargs(
-        facts,
-        params.vllm,
-        [1, 2, 3, 4],
-        tmp_path / "hs",
-        max_tokens_per_batch=params.extract.max_tokens_per_batch,
-        seed=params.seed,
+    engine = hidden_states.ExtractionEngine(
+        facts, params.vllm, params.extract.max_tokens_per_batch, params.seed
     )
+    kw = hidden_states.engine_kwargs(engine, [1, 2, 3, 4], tmp_path / "hs")
     assert kw["revision"] == REVISION
     assert kw["trust_remote_code"] is True and kw["language_model_only"] is True
     assert kw["dtype"] == "auto"  # the checkpoint names none
