@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-from eagle3_pipeline.core import paths
-from eagle3_pipeline.plan import curve_cost, memory, modes, nodes, totals
+from eagle3_pipeline.plan import memory, modes, nodes, totals
 from eagle3_pipeline.plan.plan import Plan
-
-TRAIN_SCRATCH = paths.SCRATCH / "train"  # where the train stage keeps its epoch checkpoints
-
-
-def _m(n: int) -> str:
-    """Millions with one decimal, as the team quotes them; small counts exactly."""
-    return f"{n / 1e6:,.1f}M" if n >= 10_000_000 else f"{n:,}"
-
-
-def _size(n: float) -> str:
-    """Bytes in decimal units (disks are sold in them)."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n:,.0f} B"
-
-
-def _row(label: str, text: str) -> str:
-    return f"{label:<12}{text}"
+from eagle3_pipeline.plan.report_curve import TRAIN_SCRATCH, curve_lines, fraction_lines
+from eagle3_pipeline.plan.report_text import millions as _m
+from eagle3_pipeline.plan.report_text import row as _row
+from eagle3_pipeline.plan.report_text import size as _size
+from eagle3_pipeline.plan.report_text import table as _table
 
 
 def _verifier_lines(p: Plan) -> list[str]:
@@ -238,21 +223,6 @@ def _memory_lines(p: Plan) -> list[str]:
     return lines
 
 
-def _table(rows: list[list[str]], left: set[int]) -> list[str]:
-    """Rows as aligned columns: the `left` ones left-aligned, numbers right-aligned."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [
-        _row(
-            "",
-            "  ".join(
-                f"{cell:<{w}}" if i in left else f"{cell:>{w}}"
-                for i, (cell, w) in enumerate(zip(r, widths, strict=True))
-            ).rstrip(),
-        )
-        for r in rows
-    ]
-
-
 def _cluster_lines(p: Plan) -> list[str]:
     """Each node's work, what it writes and how long it takes (cluster.engine: ray)."""
     c = p.cluster
@@ -318,125 +288,6 @@ def _cluster_lines(p: Plan) -> list[str]:
     lines.append(_row("", "times: each share's tokens over reference rates (plan/nodes.py):"))
     lines.append(_row("", c.rates.source))
     return lines
-
-
-def _fraction_lines(p: Plan) -> list[str]:
-    """What curve.fractions adds: the fractions' training and checkpoints (in the totals), and
-    in online mode the store they would need (curve_cost.fractions_cost)."""
-    f = p.fractions
-    if f is None:
-        return []
-    star = {m: " (*)" if m == p.hidden_states else "" for m in modes.MODES}
-    hours = (
-        f"+ {nodes.duration(f.train_s)} of training (curve_train, in the hours below)"
-        if f.train_s is not None
-        else "training time unknown (pass --prompts N)"
-    )
-    disk = (
-        f"+ {_size(f.checkpoint_bytes)} of checkpoints (each fraction {p.checkpoints_kept} kept "
-        f"in {TRAIN_SCRATCH}-fF, best and final weights in {paths.CURVE_MODELS}/F; in the disk "
-        "below)"
-    )
-    store = (
-        f"+ {_size(f.store_bytes)} ({p.store_dtype}) and {nodes.duration(f.store_extract_s)} "
-        "of extract"
-        if f.store_bytes is not None and f.store_extract_s is not None
-        else "its size unknown (pass --prompts N)"
-    )
-    return [
-        _row(
-            "fractions",
-            f"curve.fractions {', '.join(map(str, f.fractions))}: train's drafter trained again "
-            f"on each nested fraction of the same rows, {f.share:g} x train's training tokens",
-        ),
-        _row("", f"store{star['store']}: {hours}; {disk}; no hidden states (they read the store)"),
-        _row(
-            "",
-            f"online{star['online']}: refused at load: the fractions read the store, which online "
-            f"mode does not write; a curve there costs the store besides: {store}",
-        ),
-    ]
-
-
-def _curve_lines(p: Plan) -> list[str]:
-    """The learning curve's predictions as samples, disk, prefill and hours (curve_cost.py);
-    one line each where none is costed (none fitted, another verifier's)."""
-    c = p.curve
-    if c is None:
-        return [_row("curve" if i == 0 else "", n) for i, n in enumerate(p.curve_notes)]
-    lines = [
-        _row(
-            "curve",
-            f"{paths.CURVE}: mean acceptance length {c.tau_now:.3f} at {c.tokens_now:,} "
-            f"training tokens ({c.samples_now:,} samples)",
-        )
-    ]
-    if c.fitted_on:
-        lines.append(_row("", c.fitted_on))
-    if c.check:
-        lines.append(
-            _row(
-                "",
-                f"fit check: fractions {', '.join(map(str, c.check['fitted_on']))} predicted "
-                f"{c.check['predicted']:.3f} there, measured {c.check['measured']:.3f}",
-            )
-        )
-    rows = [
-        [
-            "for",
-            "tau",
-            "train tokens",
-            "samples",
-            "store disk",
-            "online disk",
-            "prefill store/online",
-            "hours store",
-            "hours online",
-        ]
-    ]
-    for r in c.rows:
-        lo_hi = f" [{r.interval[0]:.2f}, {r.interval[1]:.2f}]" if r.interval else ""
-        tau = f"{r.tau:.3f}{lo_hi}"
-        disk = p.disk_bytes(r.scale.store)[p.store_dtype]
-        online = p.disk_bytes(r.scale.online)[p.store_dtype]
-        store_h = r.hours["generate"] + r.hours["extract"] + r.hours["train"]
-        online_h = r.hours["generate"] + r.hours["train_online"]
-        rows.append(
-            [
-                r.label,
-                tau,
-                _m(r.train_tokens),
-                f"{r.scale.samples:,}",
-                _size(disk),
-                _size(online),
-                f"{_m(r.scale.store.prefill_tokens)}/{_m(r.scale.online.prefill_tokens)}",
-                f"{store_h:.1f}",
-                f"{online_h:.1f}",
-            ]
-        )
-    lines += _table(rows, left={0})
-    lines += [_row("", n) for n in c.notes]
-    lines += _trade_lines(c)
-    lines.append(
-        _row(
-            "",
-            f"hours: generate + extract + train (online: generate + train with its prefill), "
-            f"at {c.rates.generate:,.0f} / {c.rates.extract:,.0f} / {c.rates.train:,.0f} tokens/s:"
-            f" {c.rates.source}",
-        )
-    )
-    return lines
-
-
-def _trade_lines(c: curve_cost.CurvePlan) -> list[str]:
-    """One more epoch against 2x the data, side by side: what each buys and costs from here."""
-    rows = [["from this run", "buys (mean acceptance length)", "hours store", "hours online", ""]]
-    for t in c.trade:
-        rows.append(
-            [t.label, t.buys, f"{t.hours['store']:.1f}", f"{t.hours['online']:.1f}", t.reruns]
-        )
-    lines = _table(rows, left={0, 1, 4})
-    return lines + ([_row("", c.peaks)] if c.peaks else [])
 
 
 def _gpu_line(t: totals.Totals) -> str:
@@ -521,8 +372,8 @@ def render(p: Plan) -> str:
         + _cost_lines(p)
         + _memory_lines(p)
         + _cluster_lines(p)
-        + _fraction_lines(p)
-        + _curve_lines(p)
+        + fraction_lines(p)
+        + curve_lines(p)
         + _summary_lines(p)
     )
     return "\n".join(head + body + not_here + warn)
