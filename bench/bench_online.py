@@ -35,7 +35,7 @@ from eagle3_pipeline.config.params import load_params  # noqa: E402
 from eagle3_pipeline.core import atomic, readers  # noqa: E402
 from eagle3_pipeline.drafter.conventions import run_conventions  # noqa: E402
 from eagle3_pipeline.online_training import source as online  # noqa: E402
-from eagle3_pipeline.serving.hidden_state_server import hidden_state_spec  # noqa: E402
+from eagle3_pipeline.serving.hidden_states import hidden_state_spec  # noqa: E402
 from eagle3_pipeline.serving.server import serve  # noqa: E402
 from eagle3_pipeline.store import format as store  # noqa: E402
 from eagle3_pipeline.training.data import (  # noqa: E402

@@ -37,7 +37,7 @@ class Server:
 
 
 def down(server: Server) -> str | None:
-    """Why `server` stopped, as its watch (a server this process started: serving/server.py)
+    """Why `server` stopped, as its watch (a server this process started: serving/server_process.py)
     or its node's worker saw it; None while it serves or nobody has seen it stop."""
     return server.client.down() or server.gone()
 

@@ -6,8 +6,8 @@ cluster address, never 0.0.0.0, with the run's API key, and answers its URL once
 It stops the server when asked, and the server cannot outlive it: the watchdog ends the server
 when the worker's pipe closes, and Ray ends the worker when the driver (the stage) dies. The
 driver watches each server through its worker (`wait` returns, with the cause, when the
-server's watch sees it stop serving, serving/server.py; it fails when the worker or its node is
-lost), so a lost server is noticed within seconds, without waiting for HTTP retries.
+server's watch sees it stop serving, serving/server_process.py; it fails when the worker or its
+node is lost), so a lost server is noticed within seconds, without waiting for HTTP retries.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from eagle3_pipeline.config.training_params import ClusterParams
 from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.serving import server as vllm_server
+from eagle3_pipeline.serving import server_process
 from eagle3_pipeline.serving.server import ServerSpec
 
 STOP_TIMEOUT_S = 60.0
@@ -40,7 +41,7 @@ class ServerWorker:
             os.environ.pop("OMP_NUM_THREADS", None)
         os.environ.update(env)
         self.proc: subprocess.Popen | None = None
-        self.watch: vllm_server.Watch | None = None
+        self.watch: server_process.Watch | None = None
 
     def start(self, spec: ServerSpec) -> str:
         """Start the server; its base URL once ready (ServerError with its log's tail if not)."""
@@ -51,22 +52,23 @@ class ServerWorker:
         except BaseException:
             self.stop()
             raise
-        self.watch = vllm_server.Watch(started)
+        self.watch = server_process.Watch(started)
         return url
 
     def wait(self) -> str:
-        """Block until the server stops serving (its watch, serving/server.py); why, in a line."""
+        """Block until the server stops serving (its watch, serving/server_process.py); why, in
+        a line."""
         assert self.proc is not None and self.watch is not None
         while self.watch.reason is None and self.proc.poll() is None:
-            time.sleep(vllm_server.WATCH_INTERVAL_S)
+            time.sleep(server_process.WATCH_INTERVAL_S)
         code = self.proc.wait()
-        return self.watch.reason or self.watch.describe(vllm_server.exit_cause(code))
+        return self.watch.reason or self.watch.describe(server_process.exit_cause(code))
 
     def stop(self) -> None:
         if self.watch is not None:
             self.watch.close()
         if self.proc is not None:
-            vllm_server.stop(self.proc)
+            server_process.stop(self.proc)
 
 
 @dataclass

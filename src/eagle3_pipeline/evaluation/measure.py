@@ -32,7 +32,8 @@ from eagle3_pipeline.serving.chat import (
     complete_all,
     parse_reply,
 )
-from eagle3_pipeline.serving.server import down_reason, metrics
+from eagle3_pipeline.serving.server import metrics
+from eagle3_pipeline.serving.server_process import down_reason
 from eagle3_pipeline.serving.server_spec import SERVED_NAME
 
 SPEC_PREFIX = "vllm:spec_decode_"

@@ -301,8 +301,7 @@ def inference_pool(
 
     from eagle3_pipeline.cluster import preflight
     from eagle3_pipeline.cluster.servers import ServerWorker, watcher
-    from eagle3_pipeline.serving.hidden_state_server import hidden_state_spec
-    from eagle3_pipeline.serving.hidden_states import clear_dir
+    from eagle3_pipeline.serving.hidden_states import clear_dir, hidden_state_spec
 
     nodes = engine.choose_nodes(c)
     preflight.check(nodes, c, verifier.path)

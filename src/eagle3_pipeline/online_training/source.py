@@ -93,9 +93,9 @@ def online_source(
         name = f"the vLLM server at {endpoint} (train.online.endpoint)"
         yield OnlineSource(endpoint, name, os.environ.get(API_KEY_VAR) or None)
         return
-    from eagle3_pipeline.serving.hidden_state_server import hidden_state_spec
-    from eagle3_pipeline.serving.hidden_states import clear_dir
-    from eagle3_pipeline.serving.server import down_reason, serve
+    from eagle3_pipeline.serving.hidden_states import clear_dir, hidden_state_spec
+    from eagle3_pipeline.serving.server import serve
+    from eagle3_pipeline.serving.server_process import down_reason
 
     storage = work / "online-hidden-states"
     clear_dir(storage)

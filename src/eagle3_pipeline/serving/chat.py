@@ -5,7 +5,8 @@ server's `Retry-After`; any other 4xx is the request's own fault and fails at on
 that still fails is one line of reason, never an exception that stops a run of thousands.
 Two httpx event hooks add the rest: each retry is logged and counted (openai numbers attempts in
 `x-stainless-retry-count`), and a cancelled client, or one whose server was declared down by its
-watch (serving/server.py), sends no further attempt: the failure then says why the server stopped.
+watch (serving/server_process.py), sends no further attempt: the failure then says why the
+server stopped.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from openai.types.chat import ChatCompletion
 
 from eagle3_pipeline.core.errors import ServerDown, ServerError
 from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.serving.server import down_reason
+from eagle3_pipeline.serving.server_process import down_reason
 
 if TYPE_CHECKING:
     import httpx2  # openai's transport
@@ -261,7 +262,7 @@ def complete_all(
     """Send every (id, body), `concurrency` in flight; `on_outcome` per job as each finishes.
     Workers are daemon threads and the client is cancelled on any exit (Ctrl-C included): an
     interrupted run neither waits for requests in flight nor retries against a stopped server.
-    ServerDown, within a second, when the server's watch saw it stop (serving/server.py)."""
+    ServerDown, within a second, when the server's watch saw it stop (serving/server_process.py)."""
     todo: queue.Queue = queue.Queue()
     for job in jobs:
         todo.put(job)

@@ -1,4 +1,5 @@
-"""Hidden states from vLLM itself: an in-process engine with `extract_hidden_states`.
+"""Hidden states from vLLM itself: an in-process engine with `extract_hidden_states` (extract),
+and the same engine settings served (`hidden_state_spec`: what online training asks).
 
 vLLM's `extract_hidden_states` speculative method stores, for every prompt token, the residual
 stream at `eagle_aux_hidden_state_layer_ids` in a cache that a KV connector writes to one
@@ -10,6 +11,11 @@ of layer i; id 0 = the embeddings) and id N after the last layer, before the fin
 the project's convention (layer_ids.py), so ids pass through unchanged. The only translation is the
 ORDER: vLLM collects layers in ascending order whatever order they were listed in, so
 `vllm_layer_order` asks for them sorted and `HiddenStateEngine` permutes the result back.
+
+The served verifier: the verifier's own dtype, layer ids in vLLM's ascending order, prefix caching
+off and our connector, which writes one safetensors file per request to `storage_dir` and reports
+the file in the response's `kv_transfer_params`. speculators' online dataloader sends each
+sample's token ids with `max_tokens=1` and reads that file back (hs_connectors' `file` backend).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import contextlib
 import fcntl
 import gc
 import glob
+import json
 import os
 import shutil
 import time
@@ -34,7 +41,8 @@ from eagle3_pipeline.core.errors import DataError, VerifierError
 from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.in_vllm import entry_points
 from eagle3_pipeline.serving import in_process
-from eagle3_pipeline.serving.server_spec import engine_dtype, model_args
+from eagle3_pipeline.serving.server import ServerSpec
+from eagle3_pipeline.serving.server_spec import engine_dtype, model_args, verifier_spec
 from eagle3_pipeline.verifier import identity as vf
 from eagle3_pipeline.verifier.identity import VerifierFacts
 
@@ -242,3 +250,30 @@ def engine(
     finally:
         eng.close()
         shutil.rmtree(storage_dir, ignore_errors=True)
+
+
+def hidden_state_spec(
+    verifier: VerifierFacts,
+    v: VllmParams,
+    layer_ids: list[int],
+    storage_dir: Path,
+    log_file: Path,
+) -> ServerSpec:
+    """A server returning [seq, len(layer_ids), hidden] per request, layers in ascending order."""
+    check_layer_ids(verifier.config, layer_ids)
+    ordered, _ = vllm_layer_order(layer_ids)
+    spec = verifier_spec(verifier, v, log_file, dtype=engine_dtype(verifier.config))
+    # speculators' online dataloader asks for the model by the trainer's verifier path.
+    spec.served_model_name = verifier.path
+    spec.speculative_config = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ordered}},
+    }
+    spec.extra_args = [
+        *spec.extra_args,
+        "--no-enable-prefix-caching",
+        "--kv-transfer-config",
+        json.dumps(connector_config(storage_dir)),  # chosen where the server runs
+    ]
+    return spec

@@ -159,7 +159,7 @@ def test_a_server_this_stage_starts_wants_the_run_s_own_key(
     import contextlib
     import types
 
-    from eagle3_pipeline.serving import hidden_state_server, hidden_states, server
+    from eagle3_pipeline.serving import hidden_states, server
 
     specs = []
 
@@ -171,7 +171,7 @@ def test_a_server_this_stage_starts_wants_the_run_s_own_key(
     monkeypatch.setattr(server, "serve", serve)
     monkeypatch.setattr(hidden_states, "clear_dir", lambda path: None)
     monkeypatch.setattr(
-        hidden_state_server, "hidden_state_spec", lambda *a: types.SimpleNamespace(api_key=None)
+        hidden_states, "hidden_state_spec", lambda *a: types.SimpleNamespace(api_key=None)
     )
     keys = []
     for _ in range(2):

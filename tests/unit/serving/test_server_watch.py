@@ -1,7 +1,7 @@
-"""serving/server.py's Watch: a server that stops serving (its API server, engine or watchdog
-killed, or /health failing) is declared down within seconds, in one line naming the server, the
-cause and its log; its requests in flight end at once and its clients send nothing more; a server
-stopped on purpose is not a failure. Against a stand-in with vLLM's process tree
+"""serving/server_process.py's Watch: a server that stops serving (its API server, engine or
+watchdog killed, or /health failing) is declared down within seconds, in one line naming the
+server, the cause and its log; its requests in flight end at once and its clients send nothing
+more; a server stopped on purpose is not a failure. Against a stand-in with vLLM's process tree
 (tests/helpers/stand_in_server.py); against real vLLM: tests/integration/test_server_down.py."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import stand_in_server as stand_in
 
 from eagle3_pipeline.core.errors import ServerDown
 from eagle3_pipeline.serving import server as vllm_server
+from eagle3_pipeline.serving import server_process
 from eagle3_pipeline.serving.chat import ChatClient, RequestFailed, complete_all
 
 BODY = {"model": "verifier", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
@@ -26,10 +27,10 @@ CAUSES = {
 
 
 def test_exit_causes_in_words() -> None:
-    assert vllm_server.exit_cause(1) == "vLLM exited with code 1"
-    assert vllm_server.exit_cause(137) == "vLLM was killed by SIGKILL"
-    assert vllm_server.exit_cause(143) == "vLLM was killed by SIGTERM"
-    assert vllm_server.exit_cause(-9) == "its watchdog was killed by SIGKILL"
+    assert server_process.exit_cause(1) == "vLLM exited with code 1"
+    assert server_process.exit_cause(137) == "vLLM was killed by SIGKILL"
+    assert server_process.exit_cause(143) == "vLLM was killed by SIGTERM"
+    assert server_process.exit_cause(-9) == "its watchdog was killed by SIGKILL"
 
 
 def _chat_in_thread(client: ChatClient) -> tuple[threading.Thread, list]:
@@ -68,11 +69,11 @@ def test_a_killed_server_ends_its_requests_in_flight_in_seconds_with_the_cause(
         assert reason.startswith(f"vLLM server {url} {CAUSES[which].format(pid=engine_pid)}")
         assert f"(log {spec.log_file}: " in reason and "\n" not in reason
         assert elapsed < 10, f"the request ended {elapsed:.1f} s after the kill"
-        assert vllm_server.down_reason(url) == reason
+        assert server_process.down_reason(url) == reason
         assert client.down() == reason and not client.answers()
         with pytest.raises(RequestFailed, match="stopped: "):  # nothing more is sent
             client.chat(BODY)
-    assert vllm_server.down_reason(url) is None  # its URL may serve another server later
+    assert server_process.down_reason(url) is None  # its URL may serve another server later
 
 
 def test_health_failing_in_a_row_is_a_server_down(tmp_path: Path, monkeypatch) -> None:
@@ -90,10 +91,10 @@ def test_a_server_stopped_on_purpose_is_not_down(tmp_path: Path, monkeypatch, ca
     stand_in.use_stand_in(monkeypatch)
     seen: list[str] = []
     with vllm_server.serve(stand_in.spec(tmp_path), on_down=seen.append) as url:
-        time.sleep(2.5 * vllm_server.WATCH_INTERVAL_S)  # polls that find it serving
-        assert vllm_server.down_reason(url) is None
-    time.sleep(2.5 * vllm_server.WATCH_INTERVAL_S)
-    assert seen == [] and vllm_server.down_reason(url) is None
+        time.sleep(2.5 * server_process.WATCH_INTERVAL_S)  # polls that find it serving
+        assert server_process.down_reason(url) is None
+    time.sleep(2.5 * server_process.WATCH_INTERVAL_S)
+    assert seen == [] and server_process.down_reason(url) is None
     assert "stopped:" not in capsys.readouterr().err
 
 
