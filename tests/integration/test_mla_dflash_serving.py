@@ -18,6 +18,7 @@ from verifiers import mla_server_spec
 
 from eagle3_pipeline.config.families import FamilyParams
 from eagle3_pipeline.evaluation import online as oe
+from eagle3_pipeline.evaluation import paired
 from eagle3_pipeline.serving.server import serve_many
 from eagle3_pipeline.training.run import initial_drafter
 from eagle3_pipeline.verifier import identity as vf
@@ -66,5 +67,5 @@ def test_dflash_drafter_served_beside_mla_verifier_is_lossless(
     section = oe.online_section(baseline, drafted, K)
     assert section["num_drafts"] > 0, section
     assert section["num_draft_tokens"] == K * section["num_drafts"], section
-    verdict = oe.verdict([str(i) for i in range(len(PROMPTS))], baseline, drafted, settings)
+    verdict = paired.verdict([str(i) for i in range(len(PROMPTS))], baseline, drafted, settings)
     assert verdict.outcome == "identical", verdict

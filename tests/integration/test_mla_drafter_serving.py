@@ -27,7 +27,7 @@ from verifiers import mla_server_spec
 
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import ServerError
-from eagle3_pipeline.evaluation import offline
+from eagle3_pipeline.evaluation import offline, paired
 from eagle3_pipeline.evaluation import online as oe
 from eagle3_pipeline.evaluation import verdict as rules
 from eagle3_pipeline.serving.served_with import check_aux_layers
@@ -189,7 +189,7 @@ def served(verifier: Path, drafters: dict, tmp_path_factory: pytest.TempPathFact
         "right": right,
         "right_verdict": right_verdict,
         "shifted": oe.online_section(runs["baseline"], shifted_run, K),
-        "shifted_verdict": oe.verdict(
+        "shifted_verdict": paired.verdict(
             [str(i) for i in range(len(PROMPTS))], runs["baseline"], shifted_run, SETTINGS
         ),
         "offline_summary": (sims := _offline_mal(verifier, drafters["model"], runs["baseline"]))[0],

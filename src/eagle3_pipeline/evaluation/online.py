@@ -15,25 +15,27 @@ measures one; this module starts the servers, pairs their rounds and compares th
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.core.errors import ServerError
-from eagle3_pipeline.core.progress import log
-from eagle3_pipeline.evaluation import draft_sweep, served, speedup
+from eagle3_pipeline.evaluation import draft_sweep, served
 from eagle3_pipeline.evaluation import losslessness as lossless
 from eagle3_pipeline.evaluation.acceptance import served_acceptance
+from eagle3_pipeline.evaluation.held_out import HeldOutSet, serve_set, served_detail
 from eagle3_pipeline.evaluation.measure import SPEC_PREFIX, Messages, RunResult, Settings, measure
+from eagle3_pipeline.evaluation.paired import (
+    Paired,
+    Runner,
+    mismatched_prompts,
+    paired_rounds,
+    verdict,
+)
 from eagle3_pipeline.serving.server import ServerSpec, serve, serve_many
 
 # --- servers up together, paired rounds ----------------------------------------------------
-
-
-# Measures one server of the evaluation on prompts; every server it is asked about stays up
-# between calls (`servers_up`; tests pass stand-ins).
-Runner = Callable[[ServerSpec, Sequence[Messages], Settings], RunResult]
 
 
 @contextlib.contextmanager
@@ -87,68 +89,6 @@ def also_up(run: Runner, spec: ServerSpec, own_servers: bool) -> Iterator[Runner
         yield either
 
 
-@dataclass
-class Paired:
-    """The drafter's server timed against the baseline's in paired rounds at one concurrency;
-    `counters`: the drafter's spec-decode counter deltas summed over its rounds."""
-
-    concurrency: int
-    num_prompts: int
-    rounds: list[speedup.Round] = field(default_factory=list)
-    counters: dict[str, float] = field(default_factory=dict)
-
-    def section(self, max_spread: float) -> dict[str, Any]:
-        """tokens_per_s, tokens_per_s_baseline, speedup and the speedup_* keys of eval.json."""
-        if not self.rounds:
-            return speedup.not_paired(max_spread)
-        return speedup.judge(self.rounds, max_spread, self.num_prompts)
-
-
-def paired_rounds(
-    run: Runner,
-    baseline_spec: ServerSpec,
-    drafter_spec: ServerSpec,
-    conversations: Sequence[Messages],
-    settings: Settings,
-    concurrency: int,
-) -> Paired:
-    """`settings.speedup_rounds` rounds, each timing both servers (up together) on the same
-    first prompts (`speedup.round_prompts`), the baseline first in rounds 0, 2, 4... and the
-    drafter's server first in 1, 3, 5... (`speedup.first`).
-
-    A round's requests are a user's: greedy, `max_new_tokens`, no logprobs (the full passes
-    ask them for the verdict). Before each timed run the server answers one short request and
-    its counters settle (`measure`), so both sides start a run alike: the full passes before the
-    rounds already sent each server every prompt (prefix caches, allocators warm on both).
-    """
-    if settings.speedup_rounds < 1:
-        return Paired(concurrency, 0)
-    n = speedup.round_prompts(len(conversations), settings.speedup_rounds, concurrency)
-    timed = replace(settings, concurrency=concurrency, top_logprobs=0, throughput_concurrency=())
-    prompts = conversations[:n]
-    paired = Paired(concurrency, n)
-    for i in range(settings.speedup_rounds):
-        order = [baseline_spec, drafter_spec]
-        if speedup.first(i) == speedup.DRAFTER:
-            order.reverse()
-        got = {spec.log_file: run(spec, prompts, timed) for spec in order}
-        base, drafted = got[baseline_spec.log_file], got[drafter_spec.log_file]
-        paired.rounds.append(
-            speedup.Round(drafted.output_tokens, drafted.wall_s, base.output_tokens, base.wall_s)
-        )
-        for key, value in drafted.counters.items():
-            if key != "spec_decode_enabled":
-                paired.counters[key] = paired.counters.get(key, 0.0) + value
-        ratio = paired.rounds[-1].ratio
-        log(
-            "evaluate",
-            f"speed-up round {i + 1}/{settings.speedup_rounds} at concurrency {concurrency} "
-            f"({speedup.first(i)} first, {n} prompts): {drafted.tokens_per_s:.1f} vs "
-            f"{base.tokens_per_s:.1f} tokens/s" + (f" (x{ratio:.2f})" if ratio is not None else ""),
-        )
-    return paired
-
-
 # --- both runs -------------------------------------------------------------------------------
 
 
@@ -182,45 +122,6 @@ def server_specs(
         extra_args=[*base.extra_args, *served.SPEC_METRICS_ARGS],
     )
     return baseline, spec
-
-
-def mismatched_prompts(a: RunResult, b: RunResult) -> list[int]:
-    """Indices of prompts whose greedy outputs differ (token ids, or text if ids are missing)."""
-    return [
-        i
-        for i, (ta, tb, xa, xb) in enumerate(
-            zip(a.token_ids, b.token_ids, a.texts, b.texts, strict=True)
-        )
-        if (ta != tb if ta and tb else xa != xb)
-    ]
-
-
-def verdict(
-    prompt_ids: Sequence[str], baseline: RunResult, spec: RunResult, settings: Settings
-) -> lossless.Verdict:
-    """The losslessness verdict of the two runs (evaluation/losslessness.py)."""
-    n = len(prompt_ids)
-    for run in (baseline, spec):
-        if len(run.token_ids) != n or not all(
-            run.token_ids[i] or not run.texts[i] for i in range(n)
-        ):
-            raise ServerError(
-                "vLLM returned no token_ids for a completion (requested with return_token_ids): "
-                "the outputs cannot be compared token by token"
-            )
-
-    def logprobs(run: RunResult) -> list:
-        return list(run.logprobs) + [None] * (n - len(run.logprobs))
-
-    return lossless.judge(
-        prompt_ids,
-        baseline.token_ids,
-        spec.token_ids,
-        logprobs(baseline),
-        logprobs(spec),
-        settings.near_tie_nats,
-        settings.top_logprobs,
-    )
 
 
 def _acceptance(counters: dict[str, float], k: int) -> dict[str, Any]:
@@ -257,128 +158,6 @@ def online_section(
             for c, paired in sorted(timed.items())
         }
     return section
-
-
-@dataclass(frozen=True)
-class HeldOutSet:
-    """A public prompt set served like the val prompts (evaluation/prompt_sets.py);
-    `later_turns[i]`: prompt i's next user turns (multi-turn sets), each asked after the
-    answer before it."""
-
-    name: str
-    source: str
-    ids: list[str]
-    conversations: list[Messages]
-    categories: list[str]
-    # ids left out: a copy or near duplicate of a training prompt, or of one kept before
-    left_out: list[str] = field(default_factory=list)
-    later_turns: list[list[str]] = field(default_factory=list)
-
-
-def served_detail(
-    run: RunResult, k: int, window: int, categories: Sequence[str] | None
-) -> dict[str, Any]:
-    """served.section of the drafter's full pass, and whether vLLM's per-answer counts add up
-    to its Prometheus counters over the same pass (`counts_match_counters`)."""
-    answers = run.answers(categories)
-    return served.section(answers, k, window) | {
-        "counts_match_counters": _counts_match(answers, run.counters)
-    }
-
-
-def _counts_match(answers: Sequence[served.Answer], counters: dict[str, float]) -> bool:
-    """The answers' verify steps and accepted tokens equal the counters' deltas."""
-    steps = sum(len(a.accepted) for a in answers)
-    accepted = sum(sum(a.accepted) for a in answers)
-    return steps == int(counters.get("num_drafts", -1)) and accepted == int(
-        counters.get("num_accepted_tokens", -1)
-    )
-
-
-def _next_turn(
-    conversations: list[Messages], answers: list[str], later: list[list[str]]
-) -> tuple[list[int], list[Messages]]:
-    """(indices, conversations) of the prompts with a next user turn (`later[i][0]`), each
-    asked after the answer given to the turn before."""
-    picked = [i for i, turns in enumerate(later) if turns]
-    return picked, [
-        [
-            *conversations[i],
-            {"role": "assistant", "content": answers[i]},
-            {"role": "user", "content": later[i][0]},
-        ]
-        for i in picked
-    ]
-
-
-def serve_set(
-    run: Runner,
-    specs: tuple[ServerSpec, ServerSpec],
-    held: HeldOutSet,
-    settings: Settings,
-    concurrencies: Sequence[int],
-    window: int,
-) -> tuple[dict[str, Any], lossless.Verdict]:
-    """A public set on both servers: a full pass each per turn (served figures, losslessness),
-    then paired rounds at each of `concurrencies` on its last turn's conversations; (its
-    section of eval.json's `served`, verdict).
-
-    A multi-turn set's next turn follows the baseline's answer on both servers (the same
-    request to each, so their outputs still compare); its answers count with the first
-    turn's, and `by_turn` sets them apart."""
-    baseline_spec, eagle_spec = specs
-    k = settings.num_speculative_tokens
-    conversations, ids, categories = list(held.conversations), list(held.ids), held.categories
-    later = held.later_turns or [[] for _ in ids]
-    answers: list[served.Answer] = []
-    by_turn: list[dict[str, Any]] = []
-    judged: lossless.Verdict | None = None
-    counted = True
-    turn = 0
-    while conversations:
-        baseline = run(baseline_spec, conversations, settings)
-        spec = run(eagle_spec, conversations, settings)
-        names = [i if turn == 0 else f"{i}#turn{turn + 1}" for i in ids]
-        got = verdict(names, baseline, spec, settings)
-        judged = got if judged is None else lossless.combine(judged, got)
-        turn_answers = spec.answers(categories)
-        answers += turn_answers
-        counted = counted and _counts_match(turn_answers, spec.counters)
-        by_turn.append({"turn": turn + 1, **served.acceptance(turn_answers, k)})
-        last = conversations
-        turn += 1
-        picked, conversations = _next_turn(conversations, baseline.texts, later)
-        ids = [ids[i] for i in picked]
-        categories = [categories[i] for i in picked]
-        later = [later[i][1:] for i in picked]
-    if judged is None:
-        raise ValueError(f"public set {held.name}: no prompt to serve")
-    timed = {
-        c: paired_rounds(run, baseline_spec, eagle_spec, last, settings, c)
-        for c in dict.fromkeys(concurrencies)
-    }
-    section = {
-        "source": held.source,
-        "num_prompts": len(held.ids),
-        "left_out_as_duplicates": held.left_out,
-        "max_new_tokens": settings.max_new_tokens,
-        **served.section(answers, k, window),
-        "counts_match_counters": counted,
-        **({"by_turn": by_turn} if len(by_turn) > 1 else {}),
-        "lossless": judged.outcome,
-        "num_identical": judged.section()["num_identical"],
-        "speedup_by_concurrency": {
-            str(c): paired.section(settings.speedup_max_spread) for c, paired in timed.items()
-        },
-    }
-    log(
-        "evaluate",
-        f"served on {held.name} ({len(held.ids)} prompts, {len(answers)} answers): mean "
-        f"acceptance length {section['mean_acceptance_length']:.3f}, "
-        f"{section['looping']['count']} looping, {section['cut']['count']} cut at "
-        f"{settings.max_new_tokens} tokens, lossless: {judged.outcome}",
-    )
-    return section, judged
 
 
 def evaluate(

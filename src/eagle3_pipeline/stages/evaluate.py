@@ -37,6 +37,7 @@ from eagle3_pipeline.evaluation import (
     prompt_sets,
 )
 from eagle3_pipeline.evaluation import online as online_eval
+from eagle3_pipeline.evaluation.held_out import HeldOutSet
 from eagle3_pipeline.evaluation.losslessness import Verdict
 from eagle3_pipeline.evaluation.verdict import online_verdict, require_lossless
 from eagle3_pipeline.serving import served_with
@@ -149,7 +150,7 @@ def _served_line(got: dict[str, Any]) -> str:
     )
 
 
-def held_out_sets(params: Params) -> list[online_eval.HeldOutSet]:
+def held_out_sets(params: Params) -> list[HeldOutSet]:
     """evaluate.public_sets as served: the first evaluate.public_set_prompts prompts of each,
     in prompt_sets.chosen's order, that the training prompts hold no copy or near duplicate of
     (prepare.synthesize's near_duplicate_jaccard)."""
@@ -175,7 +176,7 @@ def held_out_sets(params: Params) -> list[online_eval.HeldOutSet]:
         if left_out:
             log(STAGE, f"{name}: {len(left_out)} prompts left out as duplicates: {left_out[:5]}")
         out.append(
-            online_eval.HeldOutSet(
+            HeldOutSet(
                 name,
                 got.source,
                 [p.id for p in kept],

@@ -10,6 +10,7 @@ import pytest
 from online_runs import fake_run, stepped_run
 
 from eagle3_pipeline.core.errors import ServerError
+from eagle3_pipeline.evaluation import held_out, paired, speedup
 from eagle3_pipeline.evaluation import online as oe
 from eagle3_pipeline.serving.server import ServerSpec
 
@@ -59,7 +60,7 @@ def test_mismatched_prompts_compare_ids_else_texts() -> None:
     a = fake_run([[1, 2], [3, 4], [], [7]], wall=1.0, drafts=0, accepted=0)
     b = fake_run([[1, 2], [3, 5], [], [7]], wall=1.0, drafts=0, accepted=0)
     b.texts[2] = "other"  # no token ids on either side: the texts decide
-    assert oe.mismatched_prompts(a, b) == [1, 2]
+    assert paired.mismatched_prompts(a, b) == [1, 2]
 
 
 def test_online_section() -> None:
@@ -67,8 +68,8 @@ def test_online_section() -> None:
     paired rounds (here every round 9 vs 4.5 tokens/s, as the passes were timed)."""
     baseline = fake_run([[1, 2, 3]] * 3, wall=2.0, drafts=0, accepted=0)
     spec = fake_run([[1, 2, 3]] * 3, wall=1.0, drafts=6, accepted=3)
-    paired = oe.Paired(1, 3, [oe.speedup.Round(9, 1.0, 9, 2.0)] * 5)
-    section = oe.online_section(baseline, spec, K, {1: paired}, 1, 0.25)
+    rounds = paired.Paired(1, 3, [speedup.Round(9, 1.0, 9, 2.0)] * 5)
+    section = oe.online_section(baseline, spec, K, {1: rounds}, 1, 0.25)
     assert section["num_prompts"] == 3 and section["num_drafts"] == 6
     assert section["mean_acceptance_length"] == pytest.approx(1.5)
     assert section["output_tokens"] == section["output_tokens_baseline"] == 9
@@ -116,7 +117,7 @@ def test_evaluate_judges_losslessness_by_prompt_id(tmp_path: Path) -> None:
 def test_public_sets_are_served_and_judged_on_the_same_servers(tmp_path: Path) -> None:
     """Each public set: both servers' full passes, vLLM's per-answer counts (checked against
     its counters), paired rounds at each concurrency, and its divergences in the one verdict."""
-    held = oe.HeldOutSet("he", "pkg: data", ["h0", "h1"], CONVERSATIONS[:2], ["coding"] * 2)
+    held = held_out.HeldOutSet("he", "pkg: data", ["h0", "h1"], CONVERSATIONS[:2], ["coding"] * 2)
     started: list[tuple[str, int, int]] = []
 
     def fake(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
@@ -156,7 +157,7 @@ def test_runs_without_token_ids_cannot_be_judged() -> None:
     b = fake_run([[]], wall=1.0, drafts=1, accepted=1)
     b.texts[0] = "text"
     with pytest.raises(ServerError, match="no token_ids"):
-        oe.verdict(["p0"], a, b, SETTINGS)
+        paired.verdict(["p0"], a, b, SETTINGS)
 
 
 def test_no_prompts_is_an_error(tmp_path: Path) -> None:
@@ -283,7 +284,7 @@ def test_a_multi_turn_set_asks_its_second_turn_after_the_baseline_answer(tmp_pat
     first answer; both turns' answers count (by_turn apart), and losslessness is judged per
     answer, so two prompts give four answers to compare."""
     later = [["And in French?"], ["Shorter, please."]]
-    held = oe.HeldOutSet(
+    held = held_out.HeldOutSet(
         "mt", "pkg: data", ["m0", "m1"], CONVERSATIONS[:2], ["writing"] * 2, later_turns=later
     )
     asked: list[list] = []
