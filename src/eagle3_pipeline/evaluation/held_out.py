@@ -1,19 +1,25 @@
-"""A public prompt set served like the val prompts, on the same two servers (online.py): full
-passes per turn for the served figures and the verdict, then paired rounds; multi-turn sets ask
-each next turn after the baseline's answer."""
+"""Public prompt sets held out of training (load_sets), each served like the val prompts on the
+same two servers (online.py): full passes per turn for the served figures and the verdict, then
+paired rounds; multi-turn sets ask each next turn after the baseline's answer."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.config.params import EvaluateParams
+from eagle3_pipeline.core import readers
+from eagle3_pipeline.core.errors import DataError
 from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.evaluation import losslessness as lossless
-from eagle3_pipeline.evaluation import served
+from eagle3_pipeline.evaluation import prompt_sets, served
 from eagle3_pipeline.evaluation.measure import Messages, RunResult, Settings
 from eagle3_pipeline.evaluation.paired import Runner, paired_rounds, verdict
 from eagle3_pipeline.serving.server import ServerSpec
+
+STAGE = "evaluate"
 
 
 @dataclass(frozen=True)
@@ -129,10 +135,50 @@ def serve_set(
         },
     }
     log(
-        "evaluate",
+        STAGE,
         f"served on {held.name} ({len(held.ids)} prompts, {len(answers)} answers): mean "
         f"acceptance length {section['mean_acceptance_length']:.3f}, "
         f"{section['looping']['count']} looping, {section['cut']['count']} cut at "
         f"{settings.max_new_tokens} tokens, lossless: {judged.outcome}",
     )
     return section, judged
+
+
+def load_sets(
+    e: EvaluateParams, train_prompts: Path, near_duplicate_jaccard: float
+) -> list[HeldOutSet]:
+    """evaluate.public_sets as served: the first evaluate.public_set_prompts prompts of each,
+    in prompt_sets.chosen's order, that the training prompts hold no copy or near duplicate of
+    (prepare.synthesize's near_duplicate_jaccard), read from `train_prompts`."""
+    if not e.public_sets:
+        return []
+    if not train_prompts.is_file():
+        raise DataError(f"{train_prompts}: not found: run the prepare stage")
+    training = [
+        prompt_sets.user_text(r.get("messages", [])) for r in readers.read_jsonl(train_prompts)
+    ]
+    threshold = near_duplicate_jaccard
+    out = []
+    for name in e.public_sets:
+        got = prompt_sets.load(name)
+        kept, left_out = prompt_sets.held_out(prompt_sets.chosen(got.prompts), training, threshold)
+        kept = kept[: e.public_set_prompts]
+        if not kept:
+            raise DataError(
+                f"public prompt set {name!r}: every prompt is in the training data "
+                f"({train_prompts}): drop it from evaluate.public_sets"
+            )
+        if left_out:
+            log(STAGE, f"{name}: {len(left_out)} prompts left out as duplicates: {left_out[:5]}")
+        out.append(
+            HeldOutSet(
+                name,
+                got.source,
+                [p.id for p in kept],
+                [p.messages for p in kept],
+                [p.category for p in kept],
+                left_out,
+                [p.later_turns for p in kept],
+            )
+        )
+    return out

@@ -34,10 +34,10 @@ from eagle3_pipeline.evaluation import (
     measure,
     offline,
     parallel_offline,
-    prompt_sets,
 )
 from eagle3_pipeline.evaluation import online as online_eval
-from eagle3_pipeline.evaluation.held_out import HeldOutSet
+from eagle3_pipeline.evaluation.headline import served_headline
+from eagle3_pipeline.evaluation.held_out import load_sets
 from eagle3_pipeline.evaluation.losslessness import Verdict
 from eagle3_pipeline.evaluation.verdict import online_verdict, require_lossless
 from eagle3_pipeline.serving import served_with
@@ -78,115 +78,12 @@ def run(params: Params) -> None:
             verdict,
             offline_same=result.get("offline_same_prompts"),
         )
-        result = {"served": served_headline(result["online"], held, params)} | result
+        headline = served_headline(result["online"], held, params.evaluate, VAL_PROMPTS)
+        result = {"served": headline} | result
     atomic.write_json(METRICS, result, sort_keys="served" not in result)  # the headline first
     log(STAGE, f"-> {METRICS}")
     if verdict is not None:
         require_lossless(verdict, WORK_DIR)
-
-
-def served_headline(
-    online: dict[str, Any], held: dict[str, dict[str, Any]], params: Params
-) -> dict[str, Any]:
-    """eval.json's `served` block, its headline: per prompt set (the val prompts, then each
-    public set) vLLM's acceptance with its detail (evaluation/served.py) and paired speed-ups,
-    and the lowest set's figure, the one a drafter has to earn."""
-    e = params.evaluate
-    timed = online.get("by_concurrency") or {str(e.concurrency): online}
-    val = {
-        "source": f"{VAL_PROMPTS} (first {e.max_eval_prompts})",
-        "num_prompts": online["num_prompts"],
-        "max_new_tokens": e.max_new_tokens,
-        **online.get("served", {}),
-        "num_identical": online["num_prompts"] - len(online.get("greedy_mismatched_ids", [])),
-        "speedup_by_concurrency": {
-            c: {key: row.get(key) for key in SPEEDUP_KEYS} for c, row in timed.items()
-        },
-    }
-    sets = {"val": val} | {
-        name: got
-        | {
-            "speedup_by_concurrency": {
-                c: {key: row.get(key) for key in SPEEDUP_KEYS}
-                for c, row in got["speedup_by_concurrency"].items()
-            }
-        }
-        for name, got in held.items()
-    }
-    lowest = min(sets, key=lambda n: sets[n]["mean_acceptance_length"])
-    for name, got in sets.items():
-        if name != "val":
-            log(STAGE, f"served on {name}: {_served_line(got)}")
-    log(STAGE, f"served on val: {_served_line(val)}")
-    return {
-        "num_speculative_tokens": e.num_speculative_tokens,
-        "lowest_set": lowest,
-        "lowest_mean_acceptance_length": sets[lowest]["mean_acceptance_length"],
-        "sets": sets,
-    }
-
-
-SPEEDUP_KEYS = (
-    "speedup",
-    "speedup_spread",
-    "speedup_trusted",
-    "speedup_rounds",
-    "speedup_num_prompts",
-    "tokens_per_s",
-    "tokens_per_s_baseline",
-)
-
-
-def _served_line(got: dict[str, Any]) -> str:
-    speedups = ", ".join(
-        f"x{row['speedup']:.2f} at concurrency {c}" if row.get("speedup") else f"no figure at {c}"
-        for c, row in got["speedup_by_concurrency"].items()
-    )
-    per_pos = [round(a, 3) for a in got.get("acceptance_per_position", [])]
-    return (
-        f"mean acceptance length {got['mean_acceptance_length']:.3f} over {got['num_prompts']} "
-        f"prompts (per draft position {per_pos}), identical {got['num_identical']} of "
-        f"{got.get('num_answers', got['num_prompts'])} answers; {speedups}"
-    )
-
-
-def held_out_sets(params: Params) -> list[HeldOutSet]:
-    """evaluate.public_sets as served: the first evaluate.public_set_prompts prompts of each,
-    in prompt_sets.chosen's order, that the training prompts hold no copy or near duplicate of
-    (prepare.synthesize's near_duplicate_jaccard)."""
-    e = params.evaluate
-    if not e.public_sets:
-        return []
-    if not TRAIN_PROMPTS.is_file():
-        raise DataError(f"{TRAIN_PROMPTS}: not found: run the prepare stage")
-    training = [
-        prompt_sets.user_text(r.get("messages", [])) for r in readers.read_jsonl(TRAIN_PROMPTS)
-    ]
-    threshold = params.prepare.synthesize.near_duplicate_jaccard
-    out = []
-    for name in e.public_sets:
-        got = prompt_sets.load(name)
-        kept, left_out = prompt_sets.held_out(prompt_sets.chosen(got.prompts), training, threshold)
-        kept = kept[: e.public_set_prompts]
-        if not kept:
-            raise DataError(
-                f"public prompt set {name!r}: every prompt is in the training data "
-                f"({TRAIN_PROMPTS}): drop it from evaluate.public_sets"
-            )
-        if left_out:
-            log(STAGE, f"{name}: {len(left_out)} prompts left out as duplicates: {left_out[:5]}")
-        out.append(
-            HeldOutSet(
-                name,
-                got.source,
-                [p.id for p in kept],
-                [p.messages for p in kept],
-                [p.category for p in kept],
-                left_out,
-                [p.later_turns for p in kept],
-            )
-        )
-    return out
 
 
 def run_family(params: Params, name: str) -> None:
@@ -453,7 +350,11 @@ def run_online(
             start_together=e.start_servers_together,
             family=family,
             sweep=e.num_speculative_tokens_sweep,
-            held_out=held_out_sets(params) if held_out else (),
+            held_out=load_sets(
+                params.evaluate, TRAIN_PROMPTS, params.prepare.synthesize.near_duplicate_jaccard
+            )
+            if held_out
+            else (),
             answer_window=e.answer_window,
         )
     except ServerDown as exc:

@@ -15,8 +15,8 @@ from online_runs import fake_run, stepped_run, write_val_prompts
 
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import DataError, ServerError
+from eagle3_pipeline.evaluation import headline, prompt_sets
 from eagle3_pipeline.evaluation import online as oe
-from eagle3_pipeline.evaluation import prompt_sets
 from eagle3_pipeline.evaluation import verdict as rules
 from eagle3_pipeline.evaluation.losslessness import TokenLogprobs
 from eagle3_pipeline.serving.server import ServerSpec
@@ -126,7 +126,7 @@ def test_public_sets_lead_eval_json_and_leave_out_what_training_holds(
     section, mismatched, verdict = evaluate.run_online(params, held_out=True)
     held = section.pop("held_out")
     online = rules.online_verdict(section, 3.0, mismatched, params.evaluate, verdict)["online"]
-    served = evaluate.served_headline(online, held, params)
+    served = headline.served_headline(online, held, params.evaluate, evaluate.VAL_PROMPTS)
 
     assert public_ids[0] == [second.messages[0]["content"], third.messages[0]["content"]]
     he = served["sets"]["humaneval"]
