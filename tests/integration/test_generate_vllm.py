@@ -77,7 +77,9 @@ def test_rows_are_split_by_the_real_reasoning_parser(
     checked = 0
     client = ChatClient(served, timeout_s=60)
     for row in rows:
-        body = generate.request_body(params, "verifier", row) | {"return_token_ids": True}
+        body = generation_rows.request_body(params.generate, params.seed, "verifier", row) | {
+            "return_token_ids": True
+        }
         reply = client.chat(body)
         text = tokenizer.decode(reply.token_ids, skip_special_tokens=False)
         text = text.removesuffix(tokenizer.eos_token)
@@ -127,7 +129,9 @@ def test_the_client_waits_out_429_then_reads_the_real_servers_reply(
 ) -> None:
     params = vllm_params(vllm_verifier, **SAMPLING)
     row = {"id": "q0", "messages": [{"role": "user", "content": "Say hi."}]}
-    body = generate.request_body(params, "verifier", row) | {"return_token_ids": True}
+    body = generation_rows.request_body(params.generate, params.seed, "verifier", row) | {
+        "return_token_ids": True
+    }
     with _throttled(served, refusals=1, retry_after_s=2) as (url, seen):
         client = ChatClient(url, timeout_s=60, max_retries=2)
         assert client.served_model("verifier") == "verifier"

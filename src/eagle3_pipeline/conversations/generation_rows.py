@@ -1,10 +1,13 @@
-"""The generate stage's output rows, the same for both backends: the reasoning/answer split as
-vLLM's parser does it, reproducible per-row seeds, the ids that end a turn, one row's fields."""
+"""The generate stage's rows, the same for both backends: the request a row sends, the
+reasoning/answer split as vLLM's parser does it, reproducible per-row seeds, the ids that end a
+turn, one row's fields."""
 
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
+from eagle3_pipeline.config.params import GenerateParams
 from eagle3_pipeline.conversations import chat_template
 
 
@@ -68,3 +71,27 @@ def end_of_turn_ids(tokenizer, model) -> list[int]:
     if eos is None:
         eos = tokenizer.eos_token_id
     return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def request_body(g: GenerateParams, seed: int, model: str, row: dict) -> dict[str, Any]:
+    """One chat request of the generate stage: its sampling settings (`g`) and a per-row seed
+    (`seed`: params' seed).
+
+    `skip_special_tokens: false` keeps `</think>` in the text the reasoning parser splits: when the
+    tokenizer marks it special (the tiny verifier's does), vLLM would strip it and report the whole
+    answer as reasoning.
+    """
+    # Tools are rendered into the prompt; the reply stays raw text ("none": no tool parser).
+    tools = {"tools": row["tools"], "tool_choice": "none"} if row.get("tools") else {}
+    return {
+        "model": model,
+        "messages": row["messages"],
+        **tools,
+        "max_tokens": g.max_new_tokens,
+        "temperature": g.temperature,
+        "top_p": g.top_p,
+        "seed": row_seed(seed, row["id"]),
+        "chat_template_kwargs": g.chat_template_kwargs,
+        "skip_special_tokens": False,
+        "return_token_ids": True,  # the ids tokenize trains on (and the prompt's, to check)
+    }

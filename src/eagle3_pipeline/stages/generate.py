@@ -27,7 +27,6 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 from eagle3_pipeline.cluster import leases
 from eagle3_pipeline.cluster import record as cluster_record
@@ -195,30 +194,6 @@ def _servers(params: Params, verifier: vf.VerifierFacts) -> Iterator[list[leases
         yield [leases.Server(url, _client(params, url, key))]
 
 
-def request_body(params: Params, model: str, row: dict) -> dict[str, Any]:
-    """One chat request with the stage's sampling settings and a per-row seed.
-
-    `skip_special_tokens: false` keeps `</think>` in the text the reasoning parser splits: when the
-    tokenizer marks it special (the tiny verifier's does), vLLM would strip it and report the whole
-    answer as reasoning.
-    """
-    g = params.generate
-    # Tools are rendered into the prompt; the reply stays raw text ("none": no tool parser).
-    tools = {"tools": row["tools"], "tool_choice": "none"} if row.get("tools") else {}
-    return {
-        "model": model,
-        "messages": row["messages"],
-        **tools,
-        "max_tokens": g.max_new_tokens,
-        "temperature": g.temperature,
-        "top_p": g.top_p,
-        "seed": generation_rows.row_seed(params.seed, row["id"]),
-        "chat_template_kwargs": g.chat_template_kwargs,
-        "skip_special_tokens": False,
-        "return_token_ids": True,  # the ids tokenize trains on (and the prompt's, to check)
-    }
-
-
 NO_TOKEN_IDS = (
     "the server returned no token_ids: generate trains on the ids the verifier emitted and needs "
     "a vLLM server that answers `return_token_ids` (vLLM >= 0.10.2)"
@@ -274,7 +249,10 @@ def _generate_vllm(
     fleet = "1 server" if len(servers) == 1 else f"{len(servers)} servers"
     log(STAGE, f"sending {len(rows)} prompts to {fleet}, {g.concurrency} in flight each")
     by_id = {r["id"]: r for r in rows}
-    bodies = {r["id"]: request_body(params, SERVED_NAME, r) for r in rows}
+    bodies = {
+        r["id"]: generation_rows.request_body(params.generate, params.seed, SERVED_NAME, r)
+        for r in rows
+    }
     failed: list[dict] = []
 
     def advance() -> None:

@@ -129,9 +129,11 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 def test_tools_reach_the_server_and_the_output_row() -> None:
     params = Params.model_validate({"vocab": {"draft_vocab_size": 256}})
     row = {"id": "t", "split": "train", "messages": [{"role": "user", "content": "x"}]}
-    plain = generate.request_body(params, "verifier", row)
+    plain = generation_rows.request_body(params.generate, params.seed, "verifier", row)
     assert "tools" not in plain and "tool_choice" not in plain
-    body = generate.request_body(params, "verifier", row | {"tools": TOOLS})
+    body = generation_rows.request_body(
+        params.generate, params.seed, "verifier", row | {"tools": TOOLS}
+    )
     # rendered into the prompt; the reply stays raw text (no tool parser runs)
     assert body["tools"] == TOOLS and body["tool_choice"] == "none"
     assert body["return_token_ids"] is True  # tokenize trains on the emitted ids
