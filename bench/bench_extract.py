@@ -11,7 +11,7 @@ in-process in its own worker process (this script with --worker; vLLM's KV conne
 process-global, so a plain engine beside the stage's would inherit it), started once each, one
 after the other (start not timed), then timed passes over all batches:
 
-* stage: `extraction.open_backend(backend, verifier, ...)`'s batch function per batch, and the
+* stage: `extraction.open_backend(backend, engine, ...)`'s batch function per batch, and the
   stage's `write_batch` on one writer thread, journaled per batch, as stages/extract.py runs
   them (batch n written while batch n+1 computes; the pass ends when the last write is
   journaled). Layer ids and store layout as the stage makes them. Files go to a temp dir.
