@@ -18,6 +18,7 @@ import contextlib
 import os
 import re
 import signal
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,7 +107,7 @@ def online_source(
     # Training waits on the server inside speculators' loader: a server that stops is answered
     # by interrupting this process (torchrun's launcher forwards it to the workers), and the
     # interruption is then reported as what it is.
-    with serve(spec, on_down=lambda _why: os.kill(os.getpid(), signal.SIGINT)) as url:
+    with serve(spec, on_down=_interrupt_main) as url:
         name = f"the stage's vLLM server at {url} (log: {log_file})"
         try:
             yield OnlineSource(f"{url}/v1", name, spec.api_key)
@@ -116,6 +117,13 @@ def online_source(
                     f"{why}; rerun to resume from the last complete checkpoint"
                 ) from None
             raise
+
+
+def _interrupt_main(_why: str) -> None:
+    """SIGINT to this process's main thread, where training waits (a server's watch calls this
+    from its own thread). Aimed at the thread, not the process: a process-wide signal may be
+    taken by any thread, and a main thread blocked in a call would then wait that call out."""
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
 
 ENDPOINTS_VAR = "EAGLE3_ONLINE_ENDPOINTS"  # the inference pool's servers, comma-separated
