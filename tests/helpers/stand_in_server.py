@@ -46,13 +46,16 @@ class H(BaseHTTPRequestHandler):
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         asked.append(self.path)
-        print("stand-in:", "asked", self.path, flush=True)
+        # One write per line: two requests in flight must not interleave their words.
+        sys.stdout.write(f"stand-in: asked {self.path}\\n")
+        sys.stdout.flush()
         time.sleep(3600)
     def log_message(self, *a):
         pass
 httpd = ThreadingHTTPServer((host, port), H)
 httpd.daemon_threads = True
-print("stand-in:", "serving", httpd.server_address[1], flush=True)
+sys.stdout.write(f"stand-in: serving {httpd.server_address[1]}\\n")
+sys.stdout.flush()
 httpd.serve_forever()
 """
 
