@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -16,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from eagle3_pipeline.serving import server_process
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -193,7 +193,7 @@ class Lane:
     def _started(self, proc: subprocess.Popen) -> None:
         self._proc = proc
         if self._stopping:  # stop() ran between the check and the start
-            self._end(proc, 0.0)
+            server_process.stop(proc, 0.0)
 
     def wait(self, name: str) -> bool:
         """Whether `name` is this lane's; if so, once it is done (its failure raised here)."""
@@ -211,22 +211,9 @@ class Lane:
         `grace_s`."""
         self._stopping = True
         if self._proc is not None:
-            self._end(self._proc, grace_s)
+            server_process.stop(self._proc, grace_s)
         if self._thread is not None:
             self._thread.join()
-
-    @staticmethod
-    def _end(proc: subprocess.Popen, grace_s: float) -> None:
-        if proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 LANE = Lane()
