@@ -95,29 +95,30 @@ def run(params: Params, outputs: Outputs | None = None, fraction: float | None =
     )
     log(STAGE, f"drafter {family}; wiring: {inputs.conventions.describe()}")
     trim_live(inputs.live_dir, inputs.save_dir)
+    settings = run_settings(params, inputs, None)  # the run, resolved once for every branch
     with disk.guard(STAGE, inputs.save_dir):  # a checkpoint write that fails: OS reason, mount
         if t.hidden_states == "online":
-            _train_online(params, inputs)
+            _train_online(params, inputs, settings)
         elif distributed(t, params.cluster):
-            launch(params.cluster, _resolved(params, inputs), inputs, __name__)
+            launch(params.cluster, _resolved(settings, inputs), inputs, __name__)
         else:
-            _train(params, inputs)
+            _train(settings, inputs)
     # What the ranks' loaders held (training.data), not what params say they should have.
     trained = trained_rows(inputs.save_dir, t.nproc * nodes(params.cluster))
     log(STAGE, f"trained on {trained['train_rows']} rows ({trained['train_ids_hash'][:12]})")
     twin = None  # a branch is measured against its untrained twin (evaluate does train's)
     if outputs.twin and t.hidden_states == "store":
-        twin = untrained_val(run_settings(params, inputs, None), inputs.work / "twin")
+        twin = untrained_val(settings, inputs.work / "twin")
     publish(outputs, inputs.live_dir, inputs.save_dir, t.epochs, t.family, twin, trained)
 
 
-def _train_online(params: Params, inputs: TrainInputs) -> None:
-    """Train with a vLLM server's hidden states, after checking it against the store."""
+def _train_online(params: Params, inputs: TrainInputs, settings: TrainSettings) -> None:
+    """Train with a vLLM server's hidden states, after checking it against the store. The
+    workers get the server in the run (`served_by` on its train section), not in params."""
     t = params.train
     online.check_layer_order(inputs.aux, inputs.final)
     layer_ids = [*inputs.aux, inputs.final]
     verifier = inputs.verifier or vf.read_verifier(params.verifier)
-    settings = run_settings(params, inputs, None)
     if online_pools.uses_pools(t, params.cluster):
         # Across nodes: vLLM (and the Mooncake master) on the inference pool, torchrun on the
         # training pool (online_training/pools.py).
@@ -127,7 +128,7 @@ def _train_online(params: Params, inputs: TrainInputs) -> None:
             flags = check_and_log(settings, inputs, pools.source, len(pools.sources))
             for other in pools.sources[1:]:  # every server, not only the one params name
                 check_server(settings, inputs, other, flags)
-            served = params.model_copy(update={"train": served_by(t, pools.source, pools.master)})
+            served = dataclasses.replace(settings, train=served_by(t, pools.source, pools.master))
             launch(params.cluster, _resolved(served, inputs), inputs, __name__, pools)
         return
     os.environ.update(mooncake_env(t.online))  # torchrun workers inherit it
@@ -136,10 +137,10 @@ def _train_online(params: Params, inputs: TrainInputs) -> None:
         flags = check_and_log(settings, inputs, source)
         if distributed(t, params.cluster):
             # Workers read the server from the run: the one started here, or the given one.
-            served = params.model_copy(update={"train": served_by(t, source)})
+            served = dataclasses.replace(settings, train=served_by(t, source))
             launch(params.cluster, _resolved(served, inputs), inputs, __name__)
         else:
-            _train(params, inputs, flags, source)
+            _train(settings, inputs, flags, source)
 
 
 def run_family(params: Params, name: str) -> None:
@@ -251,14 +252,16 @@ def _samples(
 
 
 def _train(
-    params: Params,
+    settings: TrainSettings,
     inputs: TrainInputs,
     online_flags: dict | None = None,
     source: online.OnlineSource | None = None,
 ) -> None:
-    """The training of the stage's only process."""
-    settings = run_settings(params, inputs, online_flags, online.trainer_key())
-    _train_resolved(ResolvedRun(settings, inputs.row_ids, inputs.live_dir), source)
+    """The training of the stage's only process (online mode: with its flags and key)."""
+    own = dataclasses.replace(
+        settings, online_flags=online_flags, online_api_key=online.trainer_key()
+    )
+    _train_resolved(ResolvedRun(own, inputs.row_ids, inputs.live_dir), source)
 
 
 def run_settings(
@@ -286,9 +289,9 @@ def run_settings(
     return dataclasses.replace(found, online_flags=online_flags, online_api_key=online_api_key)
 
 
-def _resolved(params: Params, inputs: TrainInputs) -> ResolvedRun:
+def _resolved(settings: TrainSettings, inputs: TrainInputs) -> ResolvedRun:
     """The run as every torchrun worker trains it (online mode's flags are each rank's own)."""
-    return ResolvedRun(run_settings(params, inputs, None), inputs.row_ids, inputs.live_dir)
+    return ResolvedRun(settings, inputs.row_ids, inputs.live_dir)
 
 
 def _train_resolved(run: ResolvedRun, source: online.OnlineSource | None = None) -> None:

@@ -34,7 +34,8 @@ def test_each_worker_trains_the_drivers_fraction(workspace: Path, monkeypatch) -
     assert driver.n_train < every_row.n_train  # the fraction is a part: the test can tell
     commands: list[list[str]] = []
     monkeypatch.setattr(launch_module, "launch_torchrun", commands.append)
-    launch_module.launch(params.cluster, train._resolved(params, driver), driver, train.__name__)
+    run = train._resolved(train.run_settings(params, driver, None), driver)
+    launch_module.launch(params.cluster, run, driver, train.__name__)
     argv = commands[0][commands[0].index(train.__name__) + 1 :]
     assert argv == ["--worker", str((driver.work / launch_module.RUN_FILE).resolve())]
 
