@@ -68,7 +68,10 @@ def dirty() -> list[str]:
         text=True,
         check=True,
     ).stdout
-    return [line[3:] for line in out.splitlines() if line[3:] not in {"params.yaml", "dvc.lock"}]
+    # What the pipeline itself writes (the profile, the lock, metrics, this result) may differ:
+    # the 2x run starts in the first run's workspace, whose outputs are the first run's.
+    written = ("params.yaml", "dvc.lock", "metrics/", str(OUT.relative_to(REPO)))
+    return [line[3:] for line in out.splitlines() if not line[3:].startswith(written)]
 
 
 def result(wall_s: float | None, ran_at: str) -> dict:
