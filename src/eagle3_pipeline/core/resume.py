@@ -64,6 +64,21 @@ class Journal:
 SCRATCH_ROOT = paths.SCRATCH
 
 
+def files_stamp(path: str | Path) -> str:
+    """Cheap stamp of a folder's files (name, size, mtime): changes when the files change.
+
+    A run keyed on it (train's `init_from` drafter) starts over when other weights sit at the
+    same path. Never hashes contents: 547 GB for Kimi-K2.5's verifier, whose rows are keyed on
+    verifier/identity.content_stamp instead (the same on every machine).
+    """
+    parts = sorted(
+        (f.name, f.stat().st_size, f.stat().st_mtime_ns)
+        for f in Path(path).iterdir()
+        if f.is_file()
+    )
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
 def fingerprint(*parts: Any) -> str:
     """Hash of JSON-serialisable inputs (params sections, input file hashes)."""
     blob = json.dumps(parts, sort_keys=True, default=str).encode()

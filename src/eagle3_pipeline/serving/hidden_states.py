@@ -43,7 +43,6 @@ from eagle3_pipeline.in_vllm import entry_points
 from eagle3_pipeline.serving import in_process
 from eagle3_pipeline.serving.server import ServerSpec
 from eagle3_pipeline.serving.server_spec import engine_dtype, model_args, verifier_spec
-from eagle3_pipeline.verifier import identity as vf
 from eagle3_pipeline.verifier.identity import VerifierFacts
 
 FAILED_SUFFIX = ".failed-"  # cpu_hs_connector.FAILED_SUFFIX, without importing vLLM
@@ -75,9 +74,9 @@ def connector_config(storage_dir: Path) -> dict[str, Any]:
 _NO_ID_ZERO = {"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2"}
 
 
-def check_layer_ids(config: dict[str, Any], layer_ids: list[int]) -> None:
-    """Refuse, before vLLM's slow start, the ids its model for this verifier cannot capture."""
-    model_type = vf.text_config(config).get("model_type")
+def check_layer_ids(model_type: str | None, layer_ids: list[int]) -> None:
+    """Refuse, before vLLM's slow start, the ids vLLM's model for this verifier's text model
+    type cannot capture."""
     if 0 in layer_ids and model_type in _NO_ID_ZERO:
         raise VerifierError(
             f"layers.aux_layer_ids contains 0 (the embeddings), which vLLM cannot capture for "
@@ -106,8 +105,8 @@ def engine_kwargs(e: ExtractionEngine, layer_ids: list[int], storage_dir: Path) 
     """
     ordered, _ = vllm_layer_order(layer_ids)
     v = e.vllm
-    check_layer_ids(e.verifier.config, layer_ids)
-    defaults = model_args(e.verifier, v, dtype=engine_dtype(e.verifier.config)) | {
+    check_layer_ids(e.verifier.model_type, layer_ids)
+    defaults = model_args(e.verifier, v, dtype=engine_dtype(e.verifier)) | {
         "max_num_batched_tokens": max(v.max_model_len, e.max_tokens_per_batch),
         "seed": e.seed,
     }
@@ -260,9 +259,9 @@ def hidden_state_spec(
     log_file: Path,
 ) -> ServerSpec:
     """A server returning [seq, len(layer_ids), hidden] per request, layers in ascending order."""
-    check_layer_ids(verifier.config, layer_ids)
+    check_layer_ids(verifier.model_type, layer_ids)
     ordered, _ = vllm_layer_order(layer_ids)
-    spec = verifier_spec(verifier, v, log_file, dtype=engine_dtype(verifier.config))
+    spec = verifier_spec(verifier, v, log_file, dtype=engine_dtype(verifier))
     # speculators' online dataloader asks for the model by the trainer's verifier path.
     spec.served_model_name = verifier.path
     spec.speculative_config = {

@@ -58,7 +58,7 @@ class VllmSampler:
         from eagle3_pipeline.serving import in_process
         from eagle3_pipeline.serving.server_spec import engine_dtype, model_args
 
-        kwargs = model_args(verifier, v, dtype=engine_dtype(verifier.config))
+        kwargs = model_args(verifier, v, dtype=engine_dtype(verifier))
         kwargs |= {"seed": seed}
         kwargs |= in_process.engine_overrides(v.extra_args, STAGE)
         log(STAGE, f"starting vLLM in process (dtype {kwargs['dtype']}, {verifier.path})")

@@ -14,25 +14,19 @@ from typing import Any
 
 from eagle3_pipeline.config.params import VllmParams
 from eagle3_pipeline.serving.server import ServerSpec
-from eagle3_pipeline.verifier import identity as vf
 from eagle3_pipeline.verifier.identity import VerifierFacts
 
 SERVED_NAME = "verifier"
 _VLLM_DTYPES = {"float32", "bfloat16", "float16"}
 
 
-def engine_dtype(config: dict[str, Any]) -> str:
+def engine_dtype(verifier: VerifierFacts) -> str:
     """The verifier's own dtype, as the hf backend loads it.
 
     vLLM's "auto" downcasts a float32 checkpoint to bf16; the two backends would then compute
     different tensors (they must agree: tests/integration/test_extract_vllm.py).
     """
-    dtype = str(
-        vf.text_config(config).get("dtype")
-        or config.get("dtype")
-        or config.get("torch_dtype")
-        or "auto"
-    )
+    dtype = str(verifier.declared_dtype or "auto")
     return dtype if dtype in _VLLM_DTYPES else "auto"
 
 

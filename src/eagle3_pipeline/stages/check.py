@@ -42,7 +42,6 @@ def run(params: Params, params_path: str | Path = DEFAULT_PARAMS) -> None:
         config_file = Path(v.path) / "config.json"
         facts = vf.read_verifier(v)
         config, where = facts.config, str(config_file)
-        facts.check_remote_code()
     result = support.check_verifier(params, config, config_file, where, required=True)
     log(STAGE, f"vLLM {result.vllm.describe()}")
     log(STAGE, f"chat template: {result.template.describe()}")

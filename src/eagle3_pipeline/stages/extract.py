@@ -119,10 +119,10 @@ def journal_name(shard: tuple[int, int] | None) -> str:
     return JOURNAL if shard is None else f"entries.shard-{shard[0]}-of-{shard[1]}.jsonl"
 
 
-def settings_key(params: Params, layout: store.StoreLayout) -> str:
+def settings_key(params: Params, layout: store.StoreLayout, verifier_stamp: str) -> str:
     """What decides every sample's file besides its tokenized row: the store's layers, dtype and
     hidden size, the extract params that shape a file, the engine's settings (backend vllm), the
-    verifier's files (the same stamp on every machine) and ROW_VERSION."""
+    verifier's files (`VerifierFacts.stamp`: the same on every machine) and ROW_VERSION."""
     engine = (
         params.vllm.model_dump(exclude={"ready_timeout_s", "gpu_memory_gib", "max_model_len"})
         if params.extract.backend == "vllm"
@@ -135,7 +135,7 @@ def settings_key(params: Params, layout: store.StoreLayout) -> str:
         params.extract.model_dump(exclude=_NOT_KEYED),
         engine,
         params.verifier.revision,
-        vf.content_stamp(params.verifier.path),
+        verifier_stamp,
     )
 
 
@@ -256,7 +256,7 @@ def run(params: Params, shard: tuple[int, int] | None = None) -> None:
             "simulates on); train gets the others' hidden states from vLLM while it trains",
         )
     layout = store.StoreLayout(aux, final, hidden, params.extract.store_dtype, verifier.identity)
-    settings = settings_key(params, layout)
+    settings = settings_key(params, layout, verifier.stamp)
     rows = {i: r | {"row_key": row_key(settings, r)} for i, r in rows.items()}
     work = resume.scratch_dir(STAGE, settings)
     prev, kept = published_samples({i: r["row_key"] for i, r in rows.items()})

@@ -172,7 +172,6 @@ def _servers(params: Params, verifier: vf.VerifierFacts) -> Iterator[list[leases
         key = os.environ.get(API_KEY_VAR) or None
         yield [leases.Server(url, _client(params, url, key)) for url in given]
         return
-    verifier.check_remote_code()
     key = auth.run_key()  # this run's only
     if params.cluster.engine == "ray":
         from eagle3_pipeline.cluster import servers as node_servers

@@ -118,7 +118,7 @@ def _train_online(params: Params, inputs: TrainInputs, settings: TrainSettings) 
     t = params.train
     online.check_layer_order(inputs.aux, inputs.final)
     layer_ids = [*inputs.aux, inputs.final]
-    verifier = inputs.verifier or vf.read_verifier(params.verifier)
+    verifier = inputs.verifier
     if online_pools.uses_pools(t, params.cluster):
         # Across nodes: vLLM (and the Mooncake master) on the inference pool, torchrun on the
         # training pool (online_training/pools.py).
@@ -209,7 +209,7 @@ def _inputs(
         resume.file_sha256(paths.VOCAB / "d2t.npy"),
         resume.file_sha256(paths.TOKENIZED / "train.jsonl"),
         # Other weights at the same path start over (stamp: names, sizes, mtimes; no hashing).
-        vf.files_stamp(t.init_from) if t.init_from and Path(t.init_from).is_dir() else None,
+        resume.files_stamp(t.init_from) if t.init_from and Path(t.init_from).is_dir() else None,
         # Another world size is another run (a single node keeps its key).
         *([{"train_nodes": nodes(params.cluster)}] if nodes(params.cluster) > 1 else []),
         *([{"fraction": fraction}] if fraction is not None else []),
@@ -219,9 +219,7 @@ def _inputs(
     if fraction is not None:
         scratch += f"-f{fraction}"
     work = resume.scratch_dir(scratch, key)
-    return TrainInputs(
-        conventions, samples, n_train, work, row_ids, positions, mask, verifier=verifier
-    )
+    return TrainInputs(conventions, samples, n_train, work, row_ids, verifier, positions, mask)
 
 
 def _samples(

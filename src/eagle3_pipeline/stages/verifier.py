@@ -23,7 +23,6 @@ def run(params: Params) -> None:
     out_dir = Path(OUTPUT_DIR)
     if params.verifier.source == "pretrained":
         facts = vf.read_verifier(params.verifier)
-        facts.check_remote_code()
         layers, hidden, vocab = vf.shape(facts.config)
         with atomic.replace_dir(out_dir) as tmp:
             atomic.write_json(

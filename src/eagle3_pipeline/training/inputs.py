@@ -34,10 +34,10 @@ class TrainInputs:
     n_train: int
     work: Path
     row_ids: list[str]  # sample id of each row, in the order speculators indexes them
+    verifier: VerifierFacts  # as the stage read it, once (online mode serves it)
     positions: list[int] | None = None  # the run's layers in the store's files (final last)
     mask: tuple[int, str] | None = None  # P-EAGLE/DFlash mask token id, and how it was chosen
     record_as: str = STAGE  # the stage name of cluster records: train, or family@NAME
-    verifier: VerifierFacts | None = None  # as the stage read it (online mode serves it)
 
     @property
     def aux(self) -> list[int]:

@@ -3,9 +3,9 @@
 Kimi-K2.5 is multimodal and keeps its language model's config under `text_config` (or
 `language_model`); everything here looks through that nesting so callers see one flat text config.
 
-A stage reads the verifier once (`read_verifier`: config.json opened, hashed and checked once)
-and hands the `VerifierFacts` down; the floors below take the facts, never params, so nothing
-below a stage opens config.json again.
+A stage reads the verifier once (`read_verifier`: config.json opened, hashed and its code policy
+checked once) and hands the `VerifierFacts` down; the floors below take the facts, never params,
+so nothing below a stage opens config.json, looks through its nesting or stamps its files again.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -90,20 +91,31 @@ class VerifierFacts:
     def shape_record(self) -> dict[str, Any]:
         return shape_record(self.config)
 
-    def check_remote_code(self, where: str | None = None) -> None:
-        check_remote_code(self.config, self.trust_remote_code, where or f"{self.path}/config.json")
+    @property
+    def declared_dtype(self) -> str | None:
+        """The dtype config.json declares (the text model's, else the wrapper's), if any."""
+        return self.text.get("dtype") or self.config.get("dtype") or self.config.get("torch_dtype")
+
+    @cached_property
+    def stamp(self) -> str:
+        """`content_stamp` of the verifier's files, taken once per run (it reads each file's
+        ends): what row keys name the verifier by, the same on every machine."""
+        return content_stamp(self.path)
 
 
 def read_verifier(v: VerifierParams) -> VerifierFacts:
     """The verifier of params' `verifier` section, config.json read and hashed once; a missing
-    one is refused in one line (run the verifier stage, or point verifier.path at a model)."""
+    one is refused in one line (run the verifier stage, or point verifier.path at a model), and
+    so is one with custom code that params do not trust (before any stage's hour of work)."""
     raw = _config_bytes(v.path)
+    config = json.loads(raw)
+    check_remote_code(config, v.trust_remote_code, f"{v.path}/config.json")
     return VerifierFacts(
         path=v.path,
         name=v.name,
         revision=v.revision,
         trust_remote_code=v.trust_remote_code,
-        config=json.loads(raw),
+        config=config,
         config_sha256=hashlib.sha256(raw).hexdigest(),
     )
 
@@ -134,20 +146,6 @@ def shape(config: dict[str, Any]) -> tuple[int, int, int]:
     return int(tc["num_hidden_layers"]), int(tc["hidden_size"]), int(tc["vocab_size"])
 
 
-def files_stamp(path: str | Path) -> str:
-    """Cheap stamp of the verifier's files (name, size, mtime): changes when the weights change.
-
-    Resumable stages key their scratch work on it, so rows made by an earlier verifier (same
-    config.json, other weights) are never reused. Never hashes contents: 547 GB for Kimi-K2.5.
-    """
-    parts = sorted(
-        (f.name, f.stat().st_size, f.stat().st_mtime_ns)
-        for f in Path(path).iterdir()
-        if f.is_file()
-    )
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
-
-
 STAMP_ENDS_BYTES = 1 << 20  # bytes read at each end of a file larger than twice this
 
 
@@ -157,10 +155,10 @@ def content_stamp(path: str | Path) -> str:
     larger than 2 MiB: config, tokenizer and chat template whole, weights by their ends).
 
     Rows are keyed on it (a teammate's pulled rows are reused only under the verifier that made
-    them), where files_stamp's mtimes differ between machines. Reads at most 2 MiB per file:
-    a few hundred MB for Kimi-K2.5's shards. A change of weights that keeps every shard's size,
-    first and last MiB (a few middle layers edited in place) is not seen: give such a verifier
-    another verifier.revision.
+    them), where core/resume.files_stamp's mtimes differ between machines. Reads at most 2 MiB
+    per file: a few hundred MB for Kimi-K2.5's shards. A change of weights that keeps every
+    shard's size, first and last MiB (a few middle layers edited in place) is not seen: give
+    such a verifier another verifier.revision.
     """
     parts = []
     for f in sorted(p for p in Path(path).iterdir() if p.is_file()):

@@ -22,7 +22,6 @@ def load_model(verifier: VerifierFacts, dtype: str = "auto"):  # -> PreTrainedMo
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    verifier.check_remote_code()
     # A wrapper without remote code (transformers' own Kimi_K25) is no *ForCausalLM; its
     # image-text-to-text class takes text alone and has generate() and lm_head all the same.
     native_wrapper = verifier.multimodal and not needs_remote_code(verifier.config)

@@ -8,6 +8,7 @@ import pytest
 from builders import fake_verifier
 
 from eagle3_pipeline.config.params import load_params
+from eagle3_pipeline.core import resume
 from eagle3_pipeline.core.errors import VerifierError
 from eagle3_pipeline.verifier import identity as vf
 
@@ -27,11 +28,11 @@ def test_custom_code_refused_unless_trusted(config: dict, tmp_path: Path) -> Non
     # the facts a stage reads name the verifier's own config.json
     params = load_params(REPO / "profiles/tiny-llama.yaml")
     folder = fake_verifier(tmp_path / "verifier", config)
-    untrusted = vf.read_verifier(params.verifier.model_copy(update={"path": str(folder)}))
+    untrusted = params.verifier.model_copy(update={"path": str(folder)})
     with pytest.raises(VerifierError, match=rf"^{folder}/config.json has auto_map"):
-        untrusted.check_remote_code()
+        vf.read_verifier(untrusted)
     trusted = params.verifier.model_copy(update={"path": str(folder), "trust_remote_code": True})
-    vf.read_verifier(trusted).check_remote_code()
+    assert vf.read_verifier(trusted).custom_code
 
 
 def test_plain_config_needs_no_trust() -> None:
@@ -77,7 +78,7 @@ def test_content_stamp_is_the_same_on_every_machine_and_sees_new_weights(tmp_pat
     shutil.copytree(one, two)
     os.utime(two / "model.safetensors", (0, 0))
     assert vf.content_stamp(one) == vf.content_stamp(two)
-    assert vf.files_stamp(one) != vf.files_stamp(two)  # why rows are not keyed on mtimes
+    assert resume.files_stamp(one) != resume.files_stamp(two)  # why rows are not keyed on mtimes
     weights[-1] ^= 1
     (two / "model.safetensors").write_bytes(weights)
     assert vf.content_stamp(one) != vf.content_stamp(two)

@@ -94,6 +94,7 @@ def test_id_zero_is_refused_before_vllm_starts(verifier: Path) -> None:
     from eagle3_pipeline.core.errors import VerifierError
     from eagle3_pipeline.serving import hidden_states as vllm_extract
 
+    model_type = vf.text_config(vf.read_config(verifier))["model_type"]
     with pytest.raises(VerifierError, match="contains 0.*deepseek_v3"):
-        vllm_extract.check_layer_ids(vf.read_config(verifier), [0, 1, 2, N_LAYERS])
-    vllm_extract.check_layer_ids(vf.read_config(verifier), [*AUX_IDS, N_LAYERS])
+        vllm_extract.check_layer_ids(model_type, [0, 1, 2, N_LAYERS])
+    vllm_extract.check_layer_ids(model_type, [*AUX_IDS, N_LAYERS])
