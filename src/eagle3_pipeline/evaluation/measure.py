@@ -33,7 +33,7 @@ from eagle3_pipeline.serving.chat import (
     parse_reply,
 )
 from eagle3_pipeline.serving.server import metrics
-from eagle3_pipeline.serving.server_process import down_reason
+from eagle3_pipeline.serving.server_process import HEALTH_FAILURES, WATCH_INTERVAL_S, down_reason
 from eagle3_pipeline.serving.server_spec import SERVED_NAME
 
 SPEC_PREFIX = "vllm:spec_decode_"
@@ -162,12 +162,17 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return {key: after[key] - before.get(key, 0.0) for key in after}
 
 
+# How long a failed /metrics read waits for the server's watch to say it stopped.
+DOWN_VERDICT_S = (HEALTH_FAILURES + 2) * WATCH_INTERVAL_S
+
+
 def read_counters(url: str, k: int) -> dict[str, float]:
     """Spec-decode counters plus generated tokens; a /metrics failure is one ServerError line."""
     try:
         values = metrics(url)
     except requests.RequestException as exc:
-        if why := down_reason(url):
+        # A server just killed refuses before its watch has told why: wait for the verdict.
+        if why := down_reason(url, wait_s=DOWN_VERDICT_S):
             raise ServerDown(why) from None
         raise ServerError(f"{url}/metrics: not readable: {exc}") from None
     out = spec_counters(values, k)

@@ -107,7 +107,7 @@ def online_source(
     # Training waits on the server inside speculators' loader: a server that stops is answered
     # by interrupting this process (torchrun's launcher forwards it to the workers), and the
     # interruption is then reported as what it is.
-    with serve(spec, on_down=_interrupt_main) as url:
+    with _interruptible(), serve(spec, on_down=_interrupt_main) as url:
         name = f"the stage's vLLM server at {url} (log: {log_file})"
         try:
             yield OnlineSource(f"{url}/v1", name, spec.api_key)
@@ -117,6 +117,22 @@ def online_source(
                     f"{why}; rerun to resume from the last complete checkpoint"
                 ) from None
             raise
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[None]:
+    """Python's own SIGINT handler in the main thread while the server serves, the one before
+    restored after: a handler an earlier library left behind that returns without raising (a
+    finished trainer's, say) would let `_interrupt_main`'s signal be swallowed and training wait
+    on a dead server. speculators' trainer installs its own while it trains, which raises too."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before if before is not None else signal.SIG_DFL)
 
 
 def _interrupt_main(_why: str) -> None:

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -74,11 +75,17 @@ _down: dict[str, str] = {}  # base URL -> why that server stopped serving (set b
 _down_lock = threading.Lock()
 
 
-def down_reason(url: str) -> str | None:
+def down_reason(url: str, wait_s: float = 0.0) -> str | None:
     """Why the server this process started at `url` stopped serving; None while it serves (and
-    for servers it did not start)."""
-    with _down_lock:
-        return _down.get(url.rstrip("/"))
+    for servers it did not start). `wait_s`: how long to wait for its watch's verdict, where a
+    request has just failed (the watch polls every WATCH_INTERVAL_S)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with _down_lock:
+            why = _down.get(url.rstrip("/"))
+        if why or time.monotonic() >= deadline:
+            return why
+        time.sleep(0.1)
 
 
 def exit_cause(returncode: int) -> str:

@@ -5,6 +5,7 @@ interrupts the training at once and ends the stage in one line naming the server
 from __future__ import annotations
 
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -22,15 +23,25 @@ def test_a_stopped_server_interrupts_training_and_says_why(
 ) -> None:
     stand_in.use_stand_in(monkeypatch)
     params = Params.model_validate({"verifier": {"path": str(tiny_verifier_dir)}})
+    # A SIGINT handler left behind that returns without raising (what a finished library's may
+    # do) must not swallow the interruption.
+    left_behind = signal.signal(signal.SIGINT, lambda signum, frame: None)
     t0 = time.monotonic()
-    with (
-        pytest.raises(ServerDown) as raised,
-        online.online_source(
-            params.train.online, read_verifier(params.verifier), params.vllm, [2, 4, 5, 8], tmp_path
-        ) as source,
-    ):
-        stand_in.kill(source.endpoint.removesuffix("/v1"), "engine")
-        time.sleep(60)  # training, waiting on the server: interrupted, not waited out
+    try:
+        with (
+            pytest.raises(ServerDown) as raised,
+            online.online_source(
+                params.train.online,
+                read_verifier(params.verifier),
+                params.vllm,
+                [2, 4, 5, 8],
+                tmp_path,
+            ) as source,
+        ):
+            stand_in.kill(source.endpoint.removesuffix("/v1"), "engine")
+            time.sleep(60)  # training, waiting on the server: interrupted, not waited out
+    finally:
+        signal.signal(signal.SIGINT, left_behind)
     assert time.monotonic() - t0 < 40
     assert re.fullmatch(
         r"vLLM server http://127\.0\.0\.1:\d+ stopped: its engine process \(pid \d+\) died "
