@@ -45,11 +45,11 @@ PROMPTS = [
     "Why is the sky blue?",
     "Name three rivers in Europe.",
 ]
-# One paired round: this test judges acceptance and the alarm, not the speed-up (the rounds'
-# logic is tested in test_evaluate_online.py); each further round is two timed passes on the
-# slow MLA CPU path.
+# No paired rounds: this test judges acceptance and the alarm, not the speed-up (the rounds'
+# logic is tested in test_evaluate_online.py); each round is two timed passes per concurrency
+# on the slow MLA CPU path.
 SETTINGS = oe.Settings(
-    num_speculative_tokens=K, max_new_tokens=64, chat_template_kwargs={}, speedup_rounds=1
+    num_speculative_tokens=K, max_new_tokens=64, chat_template_kwargs={}, speedup_rounds=0
 )
 CONVERSATIONS = [[{"role": "user", "content": p}] for p in PROMPTS]
 PARAMS = Params.model_validate({"evaluate": {"online": True, "mismatch_ratio": 0.5}})
