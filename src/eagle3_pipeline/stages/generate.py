@@ -331,7 +331,7 @@ def _rounds(
         yield k, [r for r in asked if r is not None]
 
 
-def settings_key(params: Params) -> str:
+def settings_key(params: Params, verifier_stamp: str) -> str:
     """What decides every row besides its own request: the generate params but how rows are
     fetched, the seed, the verifier's files (the same stamp on every machine) and ROW_VERSION."""
     return resume.fingerprint(
@@ -340,7 +340,7 @@ def settings_key(params: Params) -> str:
         params.generate.model_dump(exclude=_NOT_FINGERPRINTED),
         params.seed,
         params.verifier.revision,
-        vf.content_stamp(params.verifier.path),
+        verifier_stamp,  # VerifierFacts.stamp: taken once per run
     )
 
 
@@ -370,7 +370,7 @@ def _identity_note(params: Params, servers: list[leases.Server]) -> None:
 def run(params: Params) -> None:
     rows = _rows(params)
     verifier = vf.read_verifier(params.verifier)  # a clear error before anything else
-    settings = settings_key(params)
+    settings = settings_key(params, verifier.stamp)
     journal = resume.Journal(resume.scratch_dir(STAGE, settings) / "done.jsonl")
     earlier, where = published.keyed_rows(OUTPUT_DIR, SPLIT_FILES)
     results: dict[str, dict] = {}  # id -> output row, of every round so far

@@ -135,7 +135,7 @@ def run(params: Params) -> None:
     verifier = vf.read_verifier(params.verifier)  # a clear error first when it is missing
     tokenizer = loading.load_tokenizer(verifier)
     shape = magpie.derive(tokenizer, params.generate.chat_template_kwargs)
-    settings = settings_key(params)
+    settings = settings_key(params, verifier.stamp)
     journal = resume.Journal(resume.scratch_dir(STAGE, settings) / JOURNAL)
     max_batches = math.ceil(s.count * s.max_samples_ratio / s.batch_size)
     system = " (after the template's default system prompt)" if shape.default_system else ""
@@ -311,7 +311,7 @@ def _end_ids(params: Params, tokenizer: Any) -> list[int]:
     return list(dict.fromkeys(int(e) for e in ends))
 
 
-def settings_key(params: Params) -> str:
+def settings_key(params: Params, verifier_stamp: str) -> str:
     """What decides every batch besides its index: the synthesize params but those that only
     decide what is kept, the chat template's kwargs, the engine's settings, the verifier's files
     (the same stamp on every machine) and ROW_VERSION."""
@@ -326,7 +326,7 @@ def settings_key(params: Params) -> str:
         params.generate.chat_template_kwargs,
         params.vllm.model_dump(exclude={"ready_timeout_s", "gpu_memory_gib"}),
         params.verifier.revision,
-        vf.content_stamp(params.verifier.path),
+        verifier_stamp,  # VerifierFacts.stamp: taken once per run
     )
 
 

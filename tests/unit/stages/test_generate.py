@@ -24,6 +24,7 @@ from eagle3_pipeline.core import atomic, readers, resume
 from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.serving import server as vllm_server
 from eagle3_pipeline.stages import generate
+from eagle3_pipeline.verifier.identity import read_verifier
 
 EMITTED = [11, 12, 13]  # what the fake verifier "emitted", as vLLM returns it with token ids
 
@@ -107,7 +108,8 @@ def test_a_row_key_changes_with_what_makes_the_row_and_nothing_else(
     monkeypatch.chdir(tmp_path)
     params = _setup(tmp_path, tiny_verifier_dir)
     row = {"id": "q01", "split": "train", "messages": [{"role": "user", "content": "What?"}]}
-    settings = generate.settings_key(params)
+    stamp = read_verifier(params.verifier).stamp
+    settings = generate.settings_key(params, stamp)
     key = generate.row_key(settings, row)
     assert generate.row_key(settings, row | {"split": "val"}) == key  # prepare's, not the row's
     assert generate.row_key(settings, row | {"id": "q02"}) != key  # the id seeds the request
@@ -115,12 +117,17 @@ def test_a_row_key_changes_with_what_makes_the_row_and_nothing_else(
     assert generate.row_key(settings, row | {"tools": TOOLS}) != key
     fetch = {"server_url": "http://x:1", "concurrency": 2, "max_retries": 0}
     other_fetch = params.generate.model_copy(update=fetch)
-    assert generate.settings_key(params.model_copy(update={"generate": other_fetch})) == settings
+    assert (
+        generate.settings_key(params.model_copy(update={"generate": other_fetch}), stamp)
+        == settings
+    )
     hotter = params.generate.model_copy(update={"temperature": 0.7})
-    assert generate.settings_key(params.model_copy(update={"generate": hotter})) != settings
-    assert generate.settings_key(params.model_copy(update={"seed": 1})) != settings
+    assert generate.settings_key(params.model_copy(update={"generate": hotter}), stamp) != settings
+    assert generate.settings_key(params.model_copy(update={"seed": 1}), stamp) != settings
     monkeypatch.setattr(generate, "ROW_VERSION", generate.ROW_VERSION + 1)
-    assert generate.settings_key(params) != settings  # rows made by older code are made again
+    assert (
+        generate.settings_key(params, stamp) != settings
+    )  # rows made by older code are made again
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather"}}]
@@ -212,7 +219,9 @@ def test_stage_failed_rows_go_to_the_sidecar_and_a_rerun_retries_only_them(
         "finish_reason": "stop",
         "prompt_token_ids": None,  # the fake server sends none; vLLM does
         "completion_token_ids": EMITTED,
-        "row_key": generate.row_key(generate.settings_key(params), rows["q01"]),
+        "row_key": generate.row_key(
+            generate.settings_key(params, read_verifier(params.verifier).stamp), rows["q01"]
+        ),
     }
     assert rows["q07"]["content"] == ""  # vLLM's null content (nothing after </think>)
     body = server.bodies[0]

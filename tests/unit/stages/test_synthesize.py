@@ -279,8 +279,8 @@ def test_system_prompts_steer_the_first_turn_of_their_batches_and_stay_out_of_th
     batches = readers.read_jsonl(tmp_path / "steered/data/synthesized/batches.jsonl")
     assert [b["steer"] for b in batches] == [i % 2 for i in range(len(batches))]
     unsteered = synth_params(verifier, count=30)
-    assert synthesize.settings_key(unsteered) != synthesize.settings_key(
-        synth_params(verifier, count=30, system_prompts=steer)
+    assert synthesize.settings_key(unsteered, "stamp") != synthesize.settings_key(
+        synth_params(verifier, count=30, system_prompts=steer), "stamp"
     )
     plain_rows, plain_stats = _run(tmp_path / "plain", unsteered, monkeypatch, Scripted(tok))
     assert "kept_by_system_prompt" not in plain_stats
