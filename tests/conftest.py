@@ -27,7 +27,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 from own_verifier_runs import own_run, thinker_run  # noqa: E402
-from pipeline_repo import LANE, TINY_RUN, Run, tiny_pipeline  # noqa: E402
+from pipeline_repo import (  # noqa: E402
+    LANE,
+    ONLINE_RUN,
+    TINY_RUN,
+    Run,
+    online_pipeline,
+    tiny_pipeline,
+)
 from verifiers import build_tiny_dsv3_verifier, build_tiny_verifier  # noqa: E402
 
 # The pipeline runs the session shares (tests/e2e): the helper a test module imports to wait for
@@ -35,6 +42,7 @@ from verifiers import build_tiny_dsv3_verifier, build_tiny_verifier  # noqa: E40
 # its modules take longest after it).
 SHARED_RUNS: list[tuple[Callable, Callable[[pytest.TempPathFactory], Run]]] = [
     (tiny_pipeline, lambda tmp_path_factory: TINY_RUN),
+    (online_pipeline, lambda tmp_path_factory: ONLINE_RUN),
     (thinker_run, thinker_run),
     (own_run, own_run),
 ]
@@ -48,9 +56,10 @@ def _runs(item: pytest.Item) -> set[int]:
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection: only the selected tests count
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules that wait for a shared pipeline run go last, in the lane's order, so that the
-    runs (started with the session, one after another) go on beside the other tests."""
-    position = {item.path: min(_runs(item)) for item in items if _runs(item)}
+    """Modules that wait for a shared pipeline run go last, in the lane's order (a module that
+    waits for several, after the last of them), so that the runs (started with the session, one
+    after another) go on beside the other tests."""
+    position = {item.path: max(_runs(item)) for item in items if _runs(item)}
     items.sort(key=lambda item: (item.path in position, position.get(item.path, 0)))
 
 
@@ -71,6 +80,34 @@ def pipeline_runs_in_background(
 def tiny_verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shared seeded verifier (5 training steps), servable by vLLM on CPU."""
     return build_tiny_verifier(tmp_path_factory.mktemp("verifier") / "verifier")
+
+
+@pytest.fixture(scope="session")
+def generate_server(
+    tiny_verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """One real vLLM server of the shared verifier, started as `generate` starts its own (its
+    spec: generate.server_spec), for the modules that run generate against a given server
+    (tests/integration: test_generate_vllm.py, test_server_down.py): one start (~17 s of CPU on
+    2 cores) instead of one per module. Sampling is per request, so each module asks its own;
+    no process of it outlives the session (checked at its end)."""
+    import uuid
+
+    from generate_workspace import vllm_params
+    from server_procs import TAG_VAR, wait_none_tagged
+
+    from eagle3_pipeline.serving import server as vllm_server
+    from eagle3_pipeline.stages import generate
+    from eagle3_pipeline.verifier.identity import read_verifier
+
+    tag = uuid.uuid4().hex
+    params = vllm_params(tiny_verifier_dir)
+    spec = generate.server_spec(params, read_verifier(params.verifier))
+    spec.log_file = tmp_path_factory.mktemp("generate-server") / "server.log"
+    spec.env = {TAG_VAR: tag}
+    with vllm_server.serve(spec) as url:
+        yield url
+    assert wait_none_tagged(tag) == [], "the server outlived its `with` block"
 
 
 @pytest.fixture(scope="session")

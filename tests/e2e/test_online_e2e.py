@@ -1,22 +1,20 @@
 """Online mode end to end: the shared tiny DAG switched to `train.hidden_states: online`.
 
-A copy of the session's store run (tests/helpers/pipeline_repo.py, cache included) with only
-that param changed, committed and reproduced by DVC: extract keeps the val samples, train gets
-every other row's hidden states from a real vLLM server that the stage starts, export runs as
-before and evaluate offline (serving is the store run's: tests/e2e/test_pipeline_e2e.py). The
-upstream stages are the store run's (DVC reruns none of them).
+A copy of the session's store run (tests/helpers/pipeline_repo.py ONLINE_RUN, cache included) with
+only that param changed, committed and reproduced by DVC in the session's background lane: extract
+keeps the val samples, train gets every other row's hidden states from a real vLLM server that the
+stage starts, export runs as before and evaluate offline (serving is the store run's:
+tests/e2e/test_pipeline_e2e.py). The upstream stages are the store run's (DVC reruns none of them).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
-from pipeline_repo import commit, run_in, tiny_pipeline
+from pipeline_repo import commit, online_pipeline, repro_log, run_in, tiny_pipeline
 
 pytestmark = pytest.mark.slow
 SHARED = ["verifier", "synthesize", "prepare", "generate", "tokenize", "vocab"]
@@ -25,20 +23,8 @@ SHARED = ["verifier", "synthesize", "prepare", "generate", "tokenize", "vocab"]
 @pytest.fixture(scope="module")
 def online(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     store_run = tiny_pipeline(tmp_path_factory)
-    repo = tmp_path_factory.mktemp("online") / "repo"
-    subprocess.run(["cp", "-a", str(store_run), str(repo)], check=True)
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    params["train"]["hidden_states"] = "online"
-    params["families"] = {}  # the store run's branches: not what this mode is about
-    params["layers"]["family_aux_layer_ids"] = {}  # nor their layers
-    params["curve"]["fractions"] = []  # the curve trains on a store this mode does not write
-    # Served evaluation is the store run's (the drafter's format and export are the same code);
-    # offline evaluation compares what the two modes learned.
-    params["evaluate"]["online"] = False
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    commit(repo, "online mode")
-    out = run_in(repo, "dvc", "repro")
-    return store_run, repo, out
+    repo = online_pipeline(tmp_path_factory)
+    return store_run, repo, repro_log(repo)
 
 
 def _ids(repo: Path, split: str) -> set[str]:

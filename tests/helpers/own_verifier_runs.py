@@ -56,6 +56,9 @@ def _run(
     overrides = SMALL | {
         "verifier": {"source": "pretrained", "path": str(verifier), "name": UNREACHABLE_HUB_ID},
         "generate": SMALL["generate"] | generate,
+        # Served on the val prompts alone: the public sets go through the same template code,
+        # served in the main run (tests/e2e/test_pipeline_e2e.py).
+        "evaluate": SMALL["evaluate"] | {"public_sets": []},
     }
     return Run(
         name,

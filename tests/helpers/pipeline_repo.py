@@ -32,7 +32,9 @@ SMALL = {
     },
     "prepare": {"max_prompts": 60, "val_ratio": 0.2},
     "generate": {"max_new_tokens": 32},
-    "evaluate": {"max_eval_prompts": 6, "max_new_tokens": 24},
+    # One paired speed-up round: on a machine running other tests beside it the figure is noise;
+    # the rounds' order and median have their own tests (tests/unit/evaluation/test_speedup.py).
+    "evaluate": {"max_eval_prompts": 6, "max_new_tokens": 24, "speedup_rounds": 1},
     "tokenize": {"max_seq_len": 128},
     "vocab": {"draft_vocab_size": 256},
     "train": {"epochs": 8, "max_tokens_per_batch": 512},
@@ -40,8 +42,9 @@ SMALL = {
 
 
 def merge(base: dict, over: dict) -> dict:
+    """`base` with `over`'s leaves put in; an empty dict in `over` empties the section."""
     for k, v in over.items():
-        base[k] = merge(base.get(k, {}), v) if isinstance(v, dict) else v
+        base[k] = merge(base.get(k, {}), v) if isinstance(v, dict) and v else v
     return base
 
 
@@ -110,6 +113,9 @@ class Run:
     targets: tuple[str, ...] = ()
     site: Path | None = None
     setup: tuple[str, ...] = ()
+    # A run of the session whose finished repo (its DVC cache and dvc.lock) this one copies and
+    # changes by `overrides`, committed: DVC then reruns only what the change touches.
+    base: Run | None = None
 
 
 def run_repo(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
@@ -136,13 +142,17 @@ def execute(
     if (reuse / "repro-done").is_file():
         subprocess.run(["cp", "-a", str(reuse), str(repo.parent)], check=True)
         return repo
-    repo.mkdir(parents=True)
+    repo.parent.mkdir(parents=True)
+    if run.base is None:
+        repo.mkdir()
     log = repo.parent / "repro.log"
     steps = {"its setup": list(run.setup)} if run.setup else {}
     steps["dvc repro"] = ["dvc", "repro", *run.targets]
     with open(log, "w") as out:
         for what, cmd in steps.items():
-            if what == "dvc repro":  # after the setup: the repo copy, then the DAG
+            if what == "dvc repro" and run.base is not None:  # the base's repo, changed
+                derive(session_run(tmp_path_factory, run.base), repo, run.overrides)
+            elif what == "dvc repro":  # after the setup: the repo copy, then the DAG
                 make_repo(repo, run.overrides)
             proc = subprocess.Popen(
                 cmd,
@@ -156,6 +166,16 @@ def execute(
             code = proc.wait()
             assert code == 0, f"run {run.name}: {what} failed:\n{log.read_text()[-6000:]}"
     done.write_text("ok\n")
+    return repo
+
+
+def derive(base: Path, repo: Path, overrides: dict) -> Path:
+    """A copy of the finished run at `base` (cache, outputs, dvc.lock), its params changed by
+    `overrides` and committed, as a teammate would change a run."""
+    subprocess.run(["cp", "-a", str(base), str(repo)], check=True)
+    params = merge(yaml.safe_load((repo / "params.yaml").read_text()), overrides)
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    commit(repo, "derived run")
     return repo
 
 
@@ -258,3 +278,31 @@ TINY_RUN = Run(
 def tiny_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shrunken default pipeline (vLLM backends, online evaluation) run by `dvc repro`."""
     return session_run(tmp_path_factory, TINY_RUN)
+
+
+# Online mode (tests/e2e/test_online_e2e.py): the run above with only train.hidden_states
+# changed, committed and reproduced by DVC, in the lane right after it.
+ONLINE_RUN = Run(
+    "online",
+    {
+        "train": {"hidden_states": "online"},
+        "families": {},  # the store run's branches: not what this mode is about
+        "layers": {"family_aux_layer_ids": {}},  # nor their layers
+        "curve": {"fractions": []},  # the curve trains on a store this mode does not write
+        # Served evaluation is the store run's (the drafter's format and export are the same
+        # code); offline evaluation compares what the two modes learned.
+        "evaluate": {"online": False},
+    },
+    base=TINY_RUN,
+)
+
+
+def online_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny pipeline's run switched to online mode (ONLINE_RUN); its `dvc repro` output is
+    `repro_log(repo)`."""
+    return session_run(tmp_path_factory, ONLINE_RUN)
+
+
+def repro_log(repo: Path) -> str:
+    """What the session run's `dvc repro` printed (stdout and stderr)."""
+    return (repo.parent / "repro.log").read_text()

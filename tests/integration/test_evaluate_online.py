@@ -45,6 +45,7 @@ SETTINGS = oe.Settings(
     concurrency=2,
     chat_template_kwargs={"thinking": True},
     request_timeout_s=600.0,
+    speedup_rounds=2,  # both orders; the rounds' median and spread have unit tests
 )
 CONVERSATIONS = [[{"role": "user", "content": p}] for p in PROMPTS]
 

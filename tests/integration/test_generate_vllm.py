@@ -27,10 +27,8 @@ from server_procs import TAG_VAR, tagged_pids, wait_none_tagged
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.conversations import chat_template, generation_rows
 from eagle3_pipeline.core import resume
-from eagle3_pipeline.serving import server as vllm_server
 from eagle3_pipeline.serving.chat import ChatClient
 from eagle3_pipeline.stages import generate
-from eagle3_pipeline.verifier.identity import read_verifier
 
 N_ROWS = 24
 SAMPLING = {"temperature": 1.0, "max_new_tokens": 48, "chat_template_kwargs": {"thinking": True}}
@@ -42,16 +40,9 @@ def vllm_verifier(tiny_verifier_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(vllm_verifier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One real server for the module, started as the stage starts its own."""
-    tag = uuid.uuid4().hex
-    params = vllm_params(vllm_verifier, **SAMPLING)
-    spec = generate.server_spec(params, read_verifier(params.verifier))
-    spec.log_file = tmp_path_factory.mktemp("server") / "server.log"
-    spec.env = {TAG_VAR: tag}
-    with vllm_server.serve(spec) as url:
-        yield url
-    assert wait_none_tagged(tag) == [], "the server outlived its `with` block"
+def served(generate_server: str) -> str:
+    """A real server started as the stage starts its own (the session's: tests/conftest.py)."""
+    return generate_server
 
 
 @pytest.mark.vllm

@@ -11,6 +11,12 @@ token after that one, so such drafts are accepted where the random verifier repe
 which it often does: offline ~3.2, served ~2.5 here.) Read at ids shifted by one, the slice is
 the state entering layer N-2, and the drafts are wrong. The offline simulation of the pipeline
 (on transformers' hidden states at the right ids) is the reference evaluate compares with.
+
+Beside them the same servers prove that vLLM serves a DFlash drafter next to MLA attention
+(docs/families.md): the one a `dflash` families branch starts from on this verifier, built by
+speculators' own `build_draft_model` (`training.run.initial_drafter`), served with `method:
+dflash`. Untrained, it drafts and is almost never accepted; the test proves that vLLM loads and
+runs it there, and that greedy outputs stay the verifier's own.
 """
 
 from __future__ import annotations
@@ -18,13 +24,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from builders import model_files
 from drafter_fixtures import build_drafter, save_legacy_flat
 from safetensors.torch import load_file, save_file
+from train_workspace import tiny_settings
 from verifiers import mla_server_spec
 
+from eagle3_pipeline.config.families import FamilyParams
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core.errors import ServerError
 from eagle3_pipeline.evaluation import offline, paired
@@ -32,6 +41,7 @@ from eagle3_pipeline.evaluation import online as oe
 from eagle3_pipeline.evaluation import verdict as rules
 from eagle3_pipeline.serving.served_with import check_aux_layers
 from eagle3_pipeline.serving.server import ServerSpec, serve_many
+from eagle3_pipeline.training.run import initial_drafter
 from eagle3_pipeline.verifier import tiny as verifier_stage
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,6 +62,9 @@ SETTINGS = oe.Settings(
     num_speculative_tokens=K, max_new_tokens=64, chat_template_kwargs={}, speedup_rounds=0
 )
 CONVERSATIONS = [[{"role": "user", "content": p}] for p in PROMPTS]
+# The DFlash drafter's pass: block 4 drafts 3 tokens per pass.
+DFLASH_PROMPTS = ["Why is the sky blue?", "Name three rivers in Europe."]
+DFLASH_SETTINGS = oe.Settings(num_speculative_tokens=K, max_new_tokens=48, chat_template_kwargs={})
 PARAMS = Params.model_validate({"evaluate": {"online": True, "mismatch_ratio": 0.5}})
 
 
@@ -118,7 +131,29 @@ def drafters(verifier: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         "right": _save_flat_fp32(model, root / "right", AUX),
         "shifted": _save_flat_fp32(model, root / "shifted", SHIFTED),
         "model": model,
+        "dflash": _dflash_drafter(verifier, tmp_path_factory.mktemp("dflash")),
     }
+
+
+def _dflash_drafter(verifier: Path, root: Path) -> Path:
+    """An untrained DFlash drafter over the full vocab, reading vLLM's ids [1, 2] (id 0, the
+    embeddings, vLLM cannot capture on DeepSeek-V3 models)."""
+    vocab = int(load_file(verifier / "model.safetensors")["language_model.lm_head.weight"].shape[0])
+    np.save(root / "t2d.npy", np.ones(vocab, dtype=bool))
+    np.save(root / "d2t.npy", np.zeros(vocab, dtype=np.int64))
+    settings = tiny_settings(  # data_dir is not read: nothing is trained
+        {"root": root},
+        root,
+        verifier_dir=verifier,
+        draft_vocab_size=vocab,
+        target_layer_ids=[1, 2],
+        family=FamilyParams(name="dflash", block_size=K + 1, num_layers=1, mask_token_id=1),
+        mask_token_id=1,
+    )
+    model = initial_drafter(settings)
+    assert type(model).__name__ == "DFlashDraftModel"
+    model.save_pretrained(root / "drafter")
+    return root / "drafter"
 
 
 def _save_flat_fp32(model, out: Path, aux: list[int]) -> Path:
@@ -163,15 +198,16 @@ def _offline_mal(verifier: Path, model, runs: oe.RunResult) -> tuple[dict, dict]
 
 @pytest.fixture(scope="module")
 def served(verifier: Path, drafters: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The baseline and both drafters' servers, started at once (start-up is mostly
+    """The baseline and the three drafters' servers, started at once (start-up is mostly
     single-threaded imports) and measured one at a time."""
     logs = tmp_path_factory.mktemp("logs")
     base = mla_server_spec(verifier, logs / "vllm.log")
     baseline_spec, right_spec = oe.server_specs(base, drafters["right"], K, logs / "right")
     _, shifted_spec = oe.server_specs(base, drafters["shifted"], K, logs / "shifted")
+    _, dflash_spec = oe.server_specs(base, drafters["dflash"], K, logs / "dflash", family="dflash")
     runs: dict[str, oe.RunResult] = {}
-    with serve_many([baseline_spec, right_spec, shifted_spec]) as urls:
-        url = dict(zip(("baseline", "right", "shifted"), urls, strict=True))
+    with serve_many([baseline_spec, right_spec, shifted_spec, dflash_spec]) as urls:
+        url = dict(zip(("baseline", "right", "shifted", "dflash"), urls, strict=True))
 
         def runner(spec: ServerSpec, conversations: list, settings: oe.Settings) -> oe.RunResult:
             """evaluate's two runs, on the servers started for exactly the specs it asks for."""
@@ -185,7 +221,13 @@ def served(verifier: Path, drafters: dict, tmp_path_factory: pytest.TempPathFact
             base, drafters["right"], CONVERSATIONS, SETTINGS, logs / "right", runner
         )
         shifted_run = oe.measure(url["shifted"], CONVERSATIONS, SETTINGS)
+        dflash_convs = [[{"role": "user", "content": p}] for p in DFLASH_PROMPTS]
+        dflash = {
+            "baseline": oe.measure(url["baseline"], dflash_convs, DFLASH_SETTINGS),
+            "drafted": oe.measure(url["dflash"], dflash_convs, DFLASH_SETTINGS),
+        }
     return {
+        "dflash": dflash | {"log": dflash_spec.log_file, "drafter": drafters["dflash"]},
         "right": right,
         "right_verdict": right_verdict,
         "shifted": oe.online_section(runs["baseline"], shifted_run, K),
@@ -251,3 +293,24 @@ def test_shifted_aux_ids_fire_the_mismatch_alarm(served: dict, capsys) -> None:
     assert len(lines) == 1 and "aux/final layer ids" in lines[0]
     # the verifier still decides every token: wrong drafts cost speed, not output
     assert out["lossless"]["verdict"] != "diverged"
+
+
+@pytest.mark.vllm
+def test_dflash_drafter_served_beside_mla_verifier_is_lossless(served: dict) -> None:
+    dflash = served["dflash"]
+    log = dflash["log"].read_text()
+    assert "Resolved architecture: DFlashDraftModel" in log
+    assert (
+        f"SpeculativeConfig(method='dflash', model='{dflash['drafter']}', num_spec_tokens={K})"
+        in log
+    )
+    section = oe.online_section(dflash["baseline"], dflash["drafted"], K)
+    assert section["num_drafts"] > 0, section
+    assert section["num_draft_tokens"] == K * section["num_drafts"], section
+    verdict = paired.verdict(
+        [str(i) for i in range(len(DFLASH_PROMPTS))],
+        dflash["baseline"],
+        dflash["drafted"],
+        DFLASH_SETTINGS,
+    )
+    assert verdict.outcome == "identical", verdict

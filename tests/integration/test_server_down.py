@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -23,9 +23,7 @@ from server_procs import TAG_VAR, server_key, tagged_pids, wait_none_tagged
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.core import atomic, paths, resume
 from eagle3_pipeline.core.errors import ServerDown, ServerError
-from eagle3_pipeline.serving import server as vllm_server
 from eagle3_pipeline.stages import evaluate, generate
-from eagle3_pipeline.verifier.identity import read_verifier
 
 N_ROWS = 10
 # Greedy, one request at a time: each row is computed alone, so rows answered by two servers
@@ -41,13 +39,10 @@ RUNNING = "vllm:num_requests_running"
 
 
 @pytest.fixture(scope="module")
-def served(tiny_verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One server for the module's reruns and reference run, started as the stage's own."""
-    params = vllm_params(tiny_verifier_dir, **GREEDY)
-    spec = generate.server_spec(params, read_verifier(params.verifier))
-    spec.log_file = tmp_path_factory.mktemp("served") / "server.log"
-    with vllm_server.serve(spec) as url:
-        yield url
+def served(generate_server: str) -> str:
+    """The server of the reruns and the reference run, started as the stage's own (the
+    session's: tests/conftest.py)."""
+    return generate_server
 
 
 @pytest.fixture(scope="module")
