@@ -93,6 +93,8 @@ def run(params: Params) -> None:
         "num_speculative_tokens": k,
         "verifier": verifier,
         "val_samples": len(ids),
+        # Which val samples every point's per_sample counts are, in order (prepare's split).
+        "val_ids_sha256": _ids_hash(ids),
         "form": "logit(alpha) = a + b ln(train_tokens); tau = 1 + alpha + ... + alpha^k",
         "confidence": c.confidence,
         "bootstrap_samples": c.bootstrap_samples,
@@ -109,6 +111,10 @@ def run(params: Params) -> None:
             "tau": round(p.tau, 4),
             "tau_interval": _round(point_iv[i]),
             "epochs": _epochs(_val_tau_series(p.fraction)),
+            # Each val sample's drafts and accepted tokens: another form can be fitted, and
+            # bootstrapped like this one, from this file alone (the full run's counts are kept
+            # nowhere else).
+            "per_sample": records[i]["per_sample"],
         }
         for i, p in enumerate(points)
     ]

@@ -119,6 +119,11 @@ def test_the_result_has_the_fit_the_check_the_predictions_and_the_epochs(
     assert points[-1]["train_samples"] == 400
     assert [p["tau"] for p in points] == [1.9, 2.2, 2.5]
     assert all(lo <= p["tau"] <= hi for p in points for lo, hi in [p["tau_interval"]])
+    # Each point keeps the counts it was fitted on, the full run's included, per val sample.
+    for p, f in zip(points, (0.25, 0.5, 1.0), strict=True):
+        assert p["per_sample"]["accepted"] == _counts(f).accepted
+        assert p["per_sample"]["drafts"] == _counts(f).drafts
+    assert result["val_ids_sha256"] == hashlib.sha256("\n".join(VAL).encode()).hexdigest()
     assert points[0]["epochs"] == {
         "tau_by_epoch": [1.5, 1.7, 1.6],
         "peak_epoch": 1,
