@@ -25,10 +25,11 @@ cluster: vLLM (and a Mooncake master) on an inference pool, torchrun on the trai
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from eagle3_pipeline.config import families
@@ -95,14 +96,16 @@ def run(params: Params, outputs: Outputs | None = None, fraction: float | None =
     )
     log(STAGE, f"drafter {family}; wiring: {inputs.conventions.describe()}")
     trim_live(inputs.live_dir, inputs.save_dir)
-    settings = run_settings(params, inputs, None)  # the run, resolved once for every branch
-    with disk.guard(STAGE, inputs.save_dir):  # a checkpoint write that fails: OS reason, mount
-        if t.hidden_states == "online":
-            _train_online(params, inputs, settings)
-        elif distributed(t, params.cluster):
-            launch(params.cluster, _resolved(settings, inputs), inputs, __name__)
+    settings = run_settings(params, inputs)  # the run, resolved once for every branch
+    # A checkpoint write that fails: OS reason, mount. Online, the hidden states' servers are up
+    # (and checked) around the training, whichever way it runs.
+    with disk.guard(STAGE, inputs.save_dir), _served(params, inputs, settings) as served:
+        if served.pools is not None or distributed(t, params.cluster):
+            launch(
+                params.cluster, _resolved(served.settings, inputs), inputs, __name__, served.pools
+            )
         else:
-            _train(settings, inputs)
+            _train(served.settings, inputs, served.flags, served.source)
     # What the ranks' loaders held (training.data), not what params say they should have.
     trained = trained_rows(inputs.save_dir, t.nproc * nodes(params.cluster))
     log(STAGE, f"trained on {trained['train_rows']} rows ({trained['train_ids_hash'][:12]})")
@@ -112,10 +115,26 @@ def run(params: Params, outputs: Outputs | None = None, fraction: float | None =
     publish(outputs, inputs.live_dir, inputs.save_dir, t.epochs, t.family, twin, trained)
 
 
-def _train_online(params: Params, inputs: TrainInputs, settings: TrainSettings) -> None:
-    """Train with a vLLM server's hidden states, after checking it against the store. The
-    workers get the server in the run (`served_by` on its train section), not in params."""
+@dataclasses.dataclass(frozen=True)
+class _Served:
+    """Where the run's hidden states come from: the store (no server), or online a server (or
+    pools of them) checked against the store. `settings`: what torchrun's workers train (the
+    server named in their train section, not in params); `flags`: this process's trainer's."""
+
+    settings: TrainSettings
+    flags: dict | None = None
+    source: online.OnlineSource | None = None
+    pools: online_pools.Pools | None = None
+
+
+@contextlib.contextmanager
+def _served(params: Params, inputs: TrainInputs, settings: TrainSettings) -> Iterator[_Served]:
+    """The run's hidden-state source for as long as it trains: the store as it is, or online a
+    vLLM server (on a Ray cluster, an inference pool) started, checked and stopped here."""
     t = params.train
+    if t.hidden_states != "online":
+        yield _Served(settings)
+        return
     online.check_layer_order(inputs.aux, inputs.final)
     layer_ids = [*inputs.aux, inputs.final]
     verifier = inputs.verifier
@@ -129,7 +148,7 @@ def _train_online(params: Params, inputs: TrainInputs, settings: TrainSettings) 
             for other in pools.sources[1:]:  # every server, not only the one params name
                 check_server(settings, inputs, other, flags)
             served = dataclasses.replace(settings, train=served_by(t, pools.source, pools.master))
-            launch(params.cluster, _resolved(served, inputs), inputs, __name__, pools)
+            yield _Served(served, flags, pools.source, pools)
         return
     os.environ.update(mooncake_env(t.online))  # torchrun workers inherit it
     with online.online_source(t.online, verifier, params.vllm, layer_ids, inputs.work) as source:
@@ -137,10 +156,8 @@ def _train_online(params: Params, inputs: TrainInputs, settings: TrainSettings) 
         flags = check_and_log(settings, inputs, source)
         if distributed(t, params.cluster):
             # Workers read the server from the run: the one started here, or the given one.
-            served = dataclasses.replace(settings, train=served_by(t, source))
-            launch(params.cluster, _resolved(served, inputs), inputs, __name__)
-        else:
-            _train(settings, inputs, flags, source)
+            settings = dataclasses.replace(settings, train=served_by(t, source))
+        yield _Served(settings, flags, source)
 
 
 def run_family(params: Params, name: str) -> None:
@@ -262,15 +279,10 @@ def _train(
     _train_resolved(ResolvedRun(own, inputs.row_ids, inputs.live_dir), source)
 
 
-def run_settings(
-    params: Params,
-    inputs: TrainInputs,
-    online_flags: dict | None,
-    online_api_key: str | None = None,
-) -> TrainSettings:
-    """The run's TrainSettings; `online_flags` and `online_api_key`: online mode's
-    (online_training/source.py)."""
-    found = TrainSettings.from_params(
+def run_settings(params: Params, inputs: TrainInputs) -> TrainSettings:
+    """The run's TrainSettings, every branch's (online mode adds its flags and key per process:
+    `_train`, `_worker_main`)."""
+    return TrainSettings.from_params(
         params.train,
         data_dir=inputs.data_dir,
         save_dir=inputs.save_dir,
@@ -284,7 +296,6 @@ def run_settings(
         store_positions=inputs.positions,
         verifier_num_layers=inputs.final,
     )
-    return dataclasses.replace(found, online_flags=online_flags, online_api_key=online_api_key)
 
 
 def _resolved(settings: TrainSettings, inputs: TrainInputs) -> ResolvedRun:

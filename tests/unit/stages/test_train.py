@@ -34,7 +34,7 @@ def test_each_worker_trains_the_drivers_fraction(workspace: Path, monkeypatch) -
     assert driver.n_train < every_row.n_train  # the fraction is a part: the test can tell
     commands: list[list[str]] = []
     monkeypatch.setattr(launch_module, "launch_torchrun", commands.append)
-    run = train._resolved(train.run_settings(params, driver, None), driver)
+    run = train._resolved(train.run_settings(params, driver), driver)
     launch_module.launch(params.cluster, run, driver, train.__name__)
     argv = commands[0][commands[0].index(train.__name__) + 1 :]
     assert argv == ["--worker", str((driver.work / launch_module.RUN_FILE).resolve())]
@@ -48,7 +48,7 @@ def test_each_worker_trains_the_drivers_fraction(workspace: Path, monkeypatch) -
     monkeypatch.setattr(train, "_train_resolved", lambda run, source=None: seen.append(run))
     assert train._worker_main(argv) == 0
     worker = seen[0]
-    assert worker.settings == train.run_settings(params, driver, None)
+    assert worker.settings == train.run_settings(params, driver)
     assert (worker.settings.data_dir, worker.row_ids) == (driver.data_dir, driver.row_ids)
     assert worker.live_dir == driver.live_dir
 
