@@ -19,10 +19,11 @@ wall time the earlier run recorded).
 The second run, in the workspace of the first (its outputs made here or pulled from the DVC
 remote): the `smollm2-2x` profile doubles the prompts, the stages make only the new rows, train
 retrains on all of them, and the result file gains `grown` (that run's figures), `growth` (each
-data stage's seconds against the first run's) and `curve.out_of_sample` (the first run's
-prediction at 2x against what 2x measured, offline and served). The offline figure is given twice:
-on the 2x run's val samples, and on the first run's alone (the samples the prediction's interval
-resamples; the split keeps them in val, and their ids are kept before the store grows).
+data stage's seconds against the first run's) and `curve.out_of_sample` (the first run's prediction
+at 2x against what 2x measured, offline and served; the bend's beside the line's). The offline
+figure is given twice: on the 2x run's val samples, and on the first run's alone (the samples the
+prediction's interval resamples; the split keeps them in val, and their ids are kept before the
+store grows).
 """
 
 from __future__ import annotations
@@ -119,8 +120,24 @@ def result(wall_s: float | None, ran_at: str) -> dict:
             "measured_largest": check.get("measured"),
             "difference": check.get("difference"),
             "predictions": curve.get("predictions"),
+            "bend": _bend(curve),
             "tau_by_epoch": (curve.get("epochs") or {}).get("tau_by_epoch"),
         },
+    }
+
+
+def _bend(curve: dict) -> dict | None:
+    """The curve's second form (the bend: stages/curve.py), its fit, check and predictions."""
+    bend = curve.get("bend")
+    if not bend:
+        return None
+    check = bend.get("check") or {}
+    return {
+        "form": bend["form"],
+        "bends": bend["bends"],
+        "predicted_largest": check.get("predicted"),
+        "difference": check.get("difference"),
+        "predictions": bend["predictions"],
     }
 
 
@@ -211,37 +228,53 @@ def grown(first: dict, second: dict, on_first_val: dict | None = None) -> dict:
         if None not in pair and None not in pair_2x and sum(pair) > 0
         else None
     )
-    predicted = next(
-        (p for p in first["curve"].get("predictions") or [] if p["data_multiple"] == 2.0), None
-    )
+    predicted = _at_2x(first["curve"].get("predictions"))
     measured = second["offline_tau"]
     check = None
     if predicted is not None:
-        low, high = predicted["interval"]
         check = {
-            "predicted": predicted["tau"],
-            "interval": predicted["interval"],
+            **_held(predicted, measured, on_first_val),
             "predicted_train_tokens": predicted["train_tokens"],
             "measured_offline": measured,
             "measured_train_tokens": second["train_tokens"],
-            "inside_interval": low <= measured <= high,
-            **(
-                {
-                    "measured_offline_first_val": on_first_val,
-                    "inside_interval_first_val": low <= on_first_val["tau"] <= high,
-                }
-                if on_first_val
-                else {}
-            ),
+            **({"measured_offline_first_val": on_first_val} if on_first_val else {}),
             "served": {
                 "first": (first.get("served") or {}).get("sets"),
                 "grown": (second.get("served") or {}).get("sets"),
             },
         }
+        check |= _bend_held(first["curve"], measured, on_first_val)
     return {
         "growth": {"stages": stages, "generate_extract_ratio": both},
         "out_of_sample": check,
     }
+
+
+def _at_2x(predictions: list[dict] | None) -> dict | None:
+    return next((p for p in predictions or [] if p["data_multiple"] == 2.0), None)
+
+
+def _held(predicted: dict, measured: float, on_first_val: dict | None) -> dict:
+    """A form's prediction at 2x against what 2x measured: on its own val samples, and on the
+    first run's (the samples the prediction's interval resamples)."""
+    low, high = predicted["interval"]
+    return {
+        "predicted": predicted["tau"],
+        "interval": predicted["interval"],
+        "inside_interval": low <= measured <= high,
+        **(
+            {"inside_interval_first_val": low <= on_first_val["tau"] <= high}
+            if on_first_val
+            else {}
+        ),
+    }
+
+
+def _bend_held(curve: dict, measured: float, on_first_val: dict | None) -> dict:
+    """The bend's prediction at 2x held against the same measurements, where the first run's
+    curve has one."""
+    predicted = _at_2x((curve.get("bend") or {}).get("predictions"))
+    return {"bend": _held(predicted, measured, on_first_val)} if predicted else {}
 
 
 def keep_first_val_ids() -> None:

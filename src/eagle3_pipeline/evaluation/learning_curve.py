@@ -7,6 +7,11 @@ extrapolates, where a line in ln(tokens) would pass k + 1), it has two parameter
 leave one degree of freedom, and the smaller fractions alone predict the largest), and it is
 what data-scaling curves of classifiers' accuracy look like in practice.
 
+The bend: the same logit, quadratic in ln(training tokens), reported beside the line. Both
+real-model recipes' curves bent upward at 2x, and one within its own points, where the line
+predicted 0.14 and 0.22 short (docs/learning-curve.md, "Checked out of sample"): the line reads
+as a floor, the bend as the estimate where the curve bends within the points measured.
+
 Intervals: a bootstrap over the val samples (every point resampled alike: they are measured on
 the same samples), refitting each resample. That is the measurement's noise only; a training
 seed's and the form's own error are not in it, which is why the curve stage also reports how
@@ -56,6 +61,16 @@ class Fit:
         return math.exp((_logit(alpha_of(tau, self.k)) - self.a) / self.b)
 
 
+@dataclass(frozen=True)
+class Bend:
+    c: tuple[float, float, float]  # logit(alpha) = c[0] + c[1] x + c[2] x^2, x = ln(tokens)
+    k: int
+
+    def tau(self, tokens: float) -> float:
+        x = math.log(tokens)
+        return tau_from_alpha(_sigmoid(self.c[0] + self.c[1] * x + self.c[2] * x * x), self.k)
+
+
 def tau_of(drafts: float, accepted: float) -> float:
     """Mean acceptance length, as vLLM counts it (evaluation/acceptance.py)."""
     return 1.0 + accepted / drafts if drafts else 1.0
@@ -89,6 +104,23 @@ def fit_points(points: Sequence[Point], k: int) -> Fit:
     return fit([p.train_tokens for p in points], [p.tau for p in points], k)
 
 
+def fit_bend(tokens: Sequence[float], taus: Sequence[float], k: int) -> Bend:
+    """Least squares of logit(alpha) on ln(tokens) and its square; needs three distinct token
+    counts (three points: the parabola through them)."""
+    if len(set(tokens)) < 3:
+        raise ValueError("a bend needs points at three or more token counts")
+    # Centred on the points' mean ln(tokens): the squares of ~13 are ill-conditioned raw.
+    x = np.log(np.asarray(tokens, dtype=float))
+    m = float(x.mean())
+    y = np.array([_logit(alpha_of(t, k)) for t in taus])
+    c2, c1, c0 = (float(v) for v in np.polyfit(x - m, y, 2))
+    return Bend((c0 - c1 * m + c2 * m * m, c1 - 2 * c2 * m, c2), k)
+
+
+FORMS = {"line": fit, "bend": fit_bend}
+MIN_TOKEN_COUNTS = {"line": 2, "bend": 3}
+
+
 def bootstrap(
     points: Sequence[Point],
     k: int,
@@ -96,9 +128,11 @@ def bootstrap(
     resamples: int,
     confidence: float,
     seed: int = 0,
+    form: str = "line",
 ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-    """(interval of each point's tau, interval of the fit's tau at each of `at_tokens`), from
-    `resamples` resamples of the val samples, the same indices for every point."""
+    """(interval of each point's tau, interval of the `form` fit's tau at each of `at_tokens`),
+    from `resamples` resamples of the val samples, the same indices for every point (and, for
+    one seed, for every form)."""
     n = len(points[0].drafts)
     if any(len(p.drafts) != n for p in points):
         raise ValueError("every point must be measured on the same val samples")
@@ -112,8 +146,8 @@ def bootstrap(
         d, a = drafts[:, idx].sum(1), accepted[:, idx].sum(1)
         taus = [tau_of(di, ai) for di, ai in zip(d, a, strict=True)]
         point_taus.append(taus)
-        if len(set(tokens)) >= 2:
-            f = fit(tokens, taus, k)
+        if len(set(tokens)) >= MIN_TOKEN_COUNTS[form]:
+            f = FORMS[form](tokens, taus, k)
             predicted.append([f.tau(t) for t in at_tokens])
     lo_q, hi_q = (1 - confidence) / 2, (1 + confidence) / 2
 
@@ -155,6 +189,22 @@ def summary_lines(curve: dict[str, Any]) -> list[str]:
             f"{pr['tau']:.3f} [{lo:.3f}, {hi:.3f}] ({curve['confidence']:.0%} interval, val "
             "resampled)"
         )
+    bend = curve.get("bend")
+    if bend:
+        check = bend.get("check")
+        if check:
+            lines.append(
+                f"the bend ({bend['bends']}), fitted on fractions "
+                f"{', '.join(map(str, check['fitted_on']))}: predicted {check['predicted']:.3f} "
+                f"at the full run's tokens, measured {check['measured']:.3f} (difference "
+                f"{check['difference']:+.3f})"
+            )
+        for pr in bend["predictions"]:
+            lo, hi = pr["interval"]
+            lines.append(
+                f"{pr['data_multiple']:g}x the data: the bend predicts {pr['tau']:.3f} "
+                f"[{lo:.3f}, {hi:.3f}]"
+            )
     ep = curve.get("epochs")
     if ep and ep["tau_by_epoch"]:
         taus = ", ".join(f"{t:.3f}" for t in ep["tau_by_epoch"])

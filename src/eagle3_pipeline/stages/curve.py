@@ -3,13 +3,13 @@
 `curve_train@F` trains train's drafter on the nested fraction F of the training rows (stages/
 train.py, `--fraction`), then `eagle3 curve --measure F` simulates it offline, as evaluate
 simulates train's drafter, on the same val samples, per sample (metrics/fractions/F/eval.json).
-`eagle3 curve` measures train's drafter alike, fits mean acceptance length against training
-tokens (evaluation/learning_curve.py), checks the fit of the smaller fractions against the
-largest point, predicts at `curve.predict_at` times the data with intervals, and reads each
-point's val acceptance per epoch (the full run's and every fraction's, and the epoch where it
-peaks). The result records the verifier it was measured on (its identity and shape), so a plan
-for another verifier refuses to cost it. Outputs: metrics/curve.json and the plot series
-metrics/curve/{tokens,epochs}.json. Without fractions it reports the full run's epochs only.
+`eagle3 curve` measures train's drafter alike, fits mean acceptance length against training tokens
+(evaluation/learning_curve.py: the line, and beside it the bend), checks each form fitted on the
+smaller fractions against the largest point, predicts at `curve.predict_at` times the data with
+intervals, and reads each point's val acceptance per epoch (the full run's and every fraction's,
+and the epoch where it peaks). The result records the verifier it was measured on (its identity and
+shape), so a plan for another verifier refuses to cost it. Outputs: metrics/curve.json and the plot
+series metrics/curve/{tokens,epochs}.json. Without fractions it reports the full run's epochs only.
 """
 
 from __future__ import annotations
@@ -132,8 +132,38 @@ def run(params: Params) -> None:
             }
             for i, (m, t) in enumerate(zip(c.predict_at, targets, strict=True))
         ]
+    result["bend"] = _bend(points, k, c, targets, params.seed)
     result["epochs"] = _full_epochs()
     _write(result)
+
+
+def _bend(
+    points: list[lc.Point], k: int, c: Any, targets: list[float], seed: int
+) -> dict[str, Any] | None:
+    """The bend (logit quadratic in ln(tokens)) on every point, beside the line: its
+    predictions with intervals (the same resamples as the line's) and its own check. None
+    below three token counts."""
+    tokens = [p.train_tokens for p in points]
+    if len(set(tokens)) < lc.MIN_TOKEN_COUNTS["bend"]:
+        return None
+    b = lc.fit_bend(tokens, [p.tau for p in points], k)
+    _, iv = lc.bootstrap(points, k, targets, c.bootstrap_samples, c.confidence, seed, "bend")
+    return {
+        "form": "logit(alpha) = c0 + c1 ln(train_tokens) + c2 ln(train_tokens)^2",
+        "c": list(b.c),
+        "bends": "up" if b.c[2] > 0 else "down",
+        "fitted_on": [p.fraction for p in points],
+        "check": _check(points, k, c, seed, "bend"),
+        "predictions": [
+            {
+                "data_multiple": m,
+                "train_tokens": int(t),
+                "tau": round(b.tau(t), 4),
+                "interval": _round(iv[i]),
+            }
+            for i, (m, t) in enumerate(zip(c.predict_at, targets, strict=True))
+        ],
+    }
 
 
 def fitted_on(verifier: vf.VerifierFacts) -> dict[str, Any]:
@@ -165,14 +195,16 @@ def _fraction_epoch_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _check(points: list[lc.Point], k: int, c: Any, seed: int) -> dict[str, Any] | None:
-    """The fit of the smaller points, predicting the largest: does the form hold here?"""
+def _check(
+    points: list[lc.Point], k: int, c: Any, seed: int, form: str = "line"
+) -> dict[str, Any] | None:
+    """The `form` fitted on the smaller points, predicting the largest: does it hold here?"""
     smaller, largest = points[:-1], points[-1]
-    if len({p.train_tokens for p in smaller}) < 2:
+    if len({p.train_tokens for p in smaller}) < lc.MIN_TOKEN_COUNTS[form]:
         return None
-    f = lc.fit_points(smaller, k)
+    f = lc.FORMS[form]([p.train_tokens for p in smaller], [p.tau for p in smaller], k)
     _, iv = lc.bootstrap(
-        smaller, k, [largest.train_tokens], c.bootstrap_samples, c.confidence, seed
+        smaller, k, [largest.train_tokens], c.bootstrap_samples, c.confidence, seed, form
     )
     predicted = f.tau(largest.train_tokens)
     return {
@@ -331,13 +363,20 @@ def _epochs(series: Path) -> dict[str, Any]:
 
 
 def _write_plots(result: dict[str, Any]) -> None:
-    tokens = [
-        {"train_tokens": p["train_tokens"], "tau": p["tau"], "kind": "measured"}
-        for p in result["points"]
-    ] + [
-        {"train_tokens": p["train_tokens"], "tau": p["tau"], "kind": "predicted"}
-        for p in result["predictions"] or []
-    ]
+    tokens = (
+        [
+            {"train_tokens": p["train_tokens"], "tau": p["tau"], "kind": "measured"}
+            for p in result["points"]
+        ]
+        + [
+            {"train_tokens": p["train_tokens"], "tau": p["tau"], "kind": "predicted"}
+            for p in result["predictions"] or []
+        ]
+        + [
+            {"train_tokens": p["train_tokens"], "tau": p["tau"], "kind": "predicted (bend)"}
+            for p in (result.get("bend") or {}).get("predictions") or []
+        ]
+    )
     epochs = [{"epoch": i + 1, "tau": t} for i, t in enumerate(result["epochs"]["tau_by_epoch"])]
     atomic.write_json(paths.CURVE_TOKENS, tokens)
     atomic.write_json(paths.CURVE_EPOCHS, epochs)

@@ -33,6 +33,20 @@ def test_a_fit_needs_two_token_counts() -> None:
         lc.fit([100, 100], [1.5, 1.6], 3)
 
 
+def test_the_bend_recovers_a_quadratic_logit_and_extends_the_line() -> None:
+    truth = lc.Bend((-20.0, 2.4, -0.07), k=3)
+    tokens = [5e4, 1e5, 2e5, 4e5, 8e5]
+    b = lc.fit_bend(tokens, [truth.tau(t) for t in tokens], 3)
+    assert b.tau(1.6e6) == pytest.approx(truth.tau(1.6e6), abs=1e-6)
+    assert b.c == pytest.approx(truth.c, rel=1e-5)
+    line = lc.Fit(-6.0, 0.5, 3)
+    straight = lc.fit_bend(tokens, [line.tau(t) for t in tokens], 3)
+    assert straight.c[2] == pytest.approx(0.0, abs=1e-9)
+    assert straight.tau(1e7) == pytest.approx(line.tau(1e7), abs=1e-6)
+    with pytest.raises(ValueError, match="three or more"):
+        lc.fit_bend([1e4, 2e4, 2e4], [1.5, 1.6, 1.7], 3)
+
+
 def _point(fraction: float, tokens: int, per_draft: float, n: int = 200, seed: int = 0):
     """Per-sample counts whose pooled acceptance is about `per_draft` of 3 draft tokens."""
     rng = np.random.default_rng(seed)
@@ -52,6 +66,22 @@ def test_bootstrap_intervals_hold_the_point_estimates_and_widen_when_extrapolati
     assert hi10 - lo10 > hi2 - lo2  # further from the data: less known
     again = lc.bootstrap(points, 3, [200_000, 1_000_000], 300, 0.9, seed=1)
     assert again == (point_iv, pred_iv)  # seeded
+
+
+def test_the_bends_bootstrap_uses_the_same_resamples_and_holds_its_prediction() -> None:
+    points = [
+        _point(0.125, 12_500, 0.16),
+        _point(0.25, 25_000, 0.20),
+        _point(0.5, 50_000, 0.26),
+        _point(1.0, 100_000, 0.34),
+    ]
+    b = lc.fit_bend([p.train_tokens for p in points], [p.tau for p in points], 3)
+    line_points, _ = lc.bootstrap(points, 3, [200_000], 200, 0.9, seed=2)
+    bend_points, ((lo, hi),) = lc.bootstrap(points, 3, [200_000], 200, 0.9, seed=2, form="bend")
+    assert bend_points == line_points  # the points' intervals: the same val resamples
+    assert lo <= b.tau(200_000) <= hi
+    # Three points fit no bend in a resample: no interval, rather than a wrong one.
+    assert lc.bootstrap(points[:2], 3, [200_000], 20, 0.9, form="bend")[1] == []
 
 
 def test_bootstrap_refuses_points_measured_on_other_samples() -> None:

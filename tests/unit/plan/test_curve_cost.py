@@ -95,6 +95,11 @@ def test_predictions_and_a_target_become_tokens_samples_and_hours(
         (generate + 1_600_000 / 800 + 1_600_000 / 2_000) / 3600
     )
     assert plan.peaks == "val acceptance peaks: fraction 0.5 at epoch 2 of 3"
+    assert data.buys.endswith(f"-> {FIT.tau(8e5):.3f} (the fit)")
+    # A curve with a bend names its 2x prediction beside the line's.
+    bent = _curve() | {"bend": {"predictions": [{"data_multiple": 2.0, "tau": 2.345}]}}
+    data = curve_cost.curve_plan(params, bent, None).trade[1]
+    assert data.buys.endswith(f"-> {FIT.tau(8e5):.3f} (the fit; the bend: 2.345)")
 
 
 def test_without_a_run_the_reference_rates_are_said(

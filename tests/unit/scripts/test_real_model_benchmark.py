@@ -59,6 +59,24 @@ def test_the_first_runs_val_samples_give_the_like_for_like_check() -> None:
     )
 
 
+BEND_2X = {"data_multiple": 2.0, "tau": 2.34, "interval": [2.25, 2.43], "train_tokens": 1000}
+
+
+def test_the_bend_is_held_against_the_same_measurements() -> None:
+    first = _run(STAGES, 2.08, 1.75, [PREDICTED])
+    first["curve"]["bend"] = {"predictions": [BEND_2X]}
+    on_first = {"tau": 2.41, "interval": [2.33, 2.49], "num_samples": 115, "missing": []}
+    check = bench.grown(first, _run(STAGES, 2.34, 2.0), on_first)["out_of_sample"]
+    assert check["inside_interval_first_val"] is False  # the line's: above [2.23, 2.39]
+    assert check["bend"] == {
+        "predicted": 2.34,
+        "interval": [2.25, 2.43],
+        "inside_interval": True,
+        "inside_interval_first_val": True,
+    }
+    assert "bend" not in bench.grown(_run(STAGES, 2.08, 1.75, [PREDICTED]), first)["out_of_sample"]
+
+
 def test_the_first_runs_val_ids_are_kept_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,13 +17,14 @@ from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.conversations import split
 from eagle3_pipeline.core import paths
 from eagle3_pipeline.core.errors import DataError, StoreError, VerifierError
+from eagle3_pipeline.evaluation import learning_curve as lc
 from eagle3_pipeline.stages import curve
 
 FRACTIONS = [0.25, 0.5]
 VAL = [f"v{i:02d}" for i in range(30)]
 LLAMA = {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 64, "vocab_size": 512}
 # Draft tokens accepted per val sample (10 drafts each): more with more data.
-ACCEPTED = {0.25: 8, 0.5: 11, 1.0: 14}
+ACCEPTED = {0.125: 6, 0.25: 8, 0.5: 11, 1.0: 14}
 
 
 # The learning curve on FRACTIONS, 3 drafts per step, a tenth of the rows as val.
@@ -152,8 +153,23 @@ def test_the_result_has_the_fit_the_check_the_predictions_and_the_epochs(
         "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(),
         **LLAMA,
     }
+    # The bend: through three points exactly, its own predictions and intervals; no check
+    # (two smaller points do not make one).
+    bend = result["bend"]
+    assert bend["fitted_on"] == [0.25, 0.5, 1.0] and bend["check"] is None
+    fitted = lc.Bend(tuple(bend["c"]), 3)
+    for p in points:
+        assert fitted.tau(p["train_tokens"]) == pytest.approx(p["tau"], abs=1e-4)
+    assert [(p["data_multiple"], p["train_tokens"]) for p in bend["predictions"]] == [
+        (p["data_multiple"], p["train_tokens"]) for p in predictions
+    ]
+    for pr in bend["predictions"]:
+        lo, hi = pr["interval"]
+        assert lo <= pr["tau"] <= hi and pr["tau"] == round(fitted.tau(pr["train_tokens"]), 4)
     tokens = json.loads(paths.CURVE_TOKENS.read_text())
-    assert [t["kind"] for t in tokens] == ["measured"] * 3 + ["predicted"] * 2
+    assert [t["kind"] for t in tokens] == (
+        ["measured"] * 3 + ["predicted"] * 2 + ["predicted (bend)"] * 2
+    )
     assert json.loads(paths.CURVE_EPOCHS.read_text())[-1] == {"epoch": 3, "tau": 2.4}
     out = capsys.readouterr().out
     assert (
@@ -161,6 +177,28 @@ def test_the_result_has_the_fit_the_check_the_predictions_and_the_epochs(
         in out
     )
     assert "[curve] fraction 0.5: val acceptance" not in out
+
+
+def test_the_bend_is_checked_like_the_line_from_three_fractions(workspace: Path, capsys) -> None:
+    params = make_params(CURVE, curve={"fractions": [0.125, *FRACTIONS]})
+    for f in (0.125, *FRACTIONS):
+        curve.measure(params, f)
+    curve.run(params)
+    result = json.loads(paths.CURVE.read_text())
+    taus = [p["tau"] for p in result["points"]]
+    tokens = [p["train_tokens"] for p in result["points"]]
+    check, line = result["bend"]["check"], result["check"]
+    assert check["fitted_on"] == line["fitted_on"] == [0.125, 0.25, 0.5]
+    # The parabola through the fractions' three points, at the full run's tokens.
+    through = lc.fit_bend(tokens[:3], taus[:3], 3)
+    assert check["predicted"] == round(through.tau(tokens[3]), 4)
+    assert check["measured"] == taus[3] and check["difference"] == round(
+        check["predicted"] - taus[3], 4
+    )
+    assert result["bend"]["bends"] == ("up" if result["bend"]["c"][2] > 0 else "down")
+    out = capsys.readouterr().out
+    assert f"[curve] the bend ({result['bend']['bends']}), fitted on fractions 0.125, 0.25" in out
+    assert "[curve] 2x the data: the bend predicts" in out
 
 
 def test_without_fractions_only_the_epochs_and_the_verifier(workspace: Path) -> None:
