@@ -123,15 +123,7 @@ def run(params: Params) -> None:
     if len(points) >= 2:
         f = lc.fit_points(points, k)
         result["fit"] = {"a": f.a, "b": f.b, "fitted_on": [p.fraction for p in points]}
-        result["predictions"] = [
-            {
-                "data_multiple": m,
-                "train_tokens": int(t),
-                "tau": round(f.tau(t), 4),
-                "interval": _round(predicted_iv[i]),
-            }
-            for i, (m, t) in enumerate(zip(c.predict_at, targets, strict=True))
-        ]
+        result["predictions"] = _predictions(f, c.predict_at, targets, predicted_iv)
     result["bend"] = _bend(points, k, c, targets, params.seed)
     result["epochs"] = _full_epochs()
     _write(result)
@@ -154,16 +146,26 @@ def _bend(
         "bends": "up" if b.c[2] > 0 else "down",
         "fitted_on": [p.fraction for p in points],
         "check": _check(points, k, c, seed, "bend"),
-        "predictions": [
-            {
-                "data_multiple": m,
-                "train_tokens": int(t),
-                "tau": round(b.tau(t), 4),
-                "interval": _round(iv[i]),
-            }
-            for i, (m, t) in enumerate(zip(c.predict_at, targets, strict=True))
-        ],
+        "predictions": _predictions(b, c.predict_at, targets, iv),
     }
+
+
+def _predictions(
+    fitted: lc.Fit | lc.Bend,
+    multiples: list[float],
+    targets: list[float],
+    intervals: list[tuple[float, float]],
+) -> list[dict[str, Any]]:
+    """A form's prediction at each multiple of the full run's tokens, with its interval."""
+    return [
+        {
+            "data_multiple": m,
+            "train_tokens": int(t),
+            "tau": round(fitted.tau(t), 4),
+            "interval": _round(iv),
+        }
+        for m, t, iv in zip(multiples, targets, intervals, strict=True)
+    ]
 
 
 def fitted_on(verifier: vf.VerifierFacts) -> dict[str, Any]:
@@ -363,20 +365,16 @@ def _epochs(series: Path) -> dict[str, Any]:
 
 
 def _write_plots(result: dict[str, Any]) -> None:
-    tokens = (
-        [
-            {"train_tokens": p["train_tokens"], "tau": p["tau"], "kind": "measured"}
-            for p in result["points"]
-        ]
-        + [
-            {"train_tokens": p["train_tokens"], "tau": p["tau"], "kind": "predicted"}
-            for p in result["predictions"] or []
-        ]
-        + [
-            {"train_tokens": p["train_tokens"], "tau": p["tau"], "kind": "predicted (bend)"}
-            for p in (result.get("bend") or {}).get("predictions") or []
-        ]
-    )
+    series = {
+        "measured": result["points"],
+        "predicted": result["predictions"] or [],
+        "predicted (bend)": (result.get("bend") or {}).get("predictions") or [],
+    }
+    tokens = [
+        {"train_tokens": p["train_tokens"], "tau": p["tau"], "kind": kind}
+        for kind, rows in series.items()
+        for p in rows
+    ]
     epochs = [{"epoch": i + 1, "tau": t} for i, t in enumerate(result["epochs"]["tau_by_epoch"])]
     atomic.write_json(paths.CURVE_TOKENS, tokens)
     atomic.write_json(paths.CURVE_EPOCHS, epochs)
