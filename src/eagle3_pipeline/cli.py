@@ -13,6 +13,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from eagle3_pipeline import stages
 from eagle3_pipeline.core import disk, paths
 from eagle3_pipeline.core.errors import DEBUG_ENV, PipelineError
 from eagle3_pipeline.harness import stage_deps, stage_lock
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             print(provenance.show(args.target), flush=True)
             return 0
         stage_deps.check_path_params(args.stage, params.model_dump())
-        module = importlib.import_module(f"eagle3_pipeline.stages.{args.stage}")
+        module = importlib.import_module(f"{stages.__name__}.{args.stage}")
         t0 = time.monotonic()
         shard = getattr(args, "shard", None)
         if params.cluster.engine == "ray" and shard is None and args.stage in FANNED_OUT:

@@ -244,5 +244,6 @@ def cancel(refs: list) -> None:
 
 
 def eagle3_argv(*args: str) -> list[str]:
-    """The `eagle3` command of this installation (the same path on every node: shared or image)."""
-    return [sys.executable, "-m", "eagle3_pipeline.cli", *args]
+    """The `eagle3` command of this installation (the same path on every node: shared or image):
+    the console script beside its interpreter, no module named by hand."""
+    return [str(Path(sys.executable).with_name("eagle3")), *args]

@@ -19,17 +19,18 @@ workers train the run as written, and rank 0 alone logs. With `cluster.engine: r
 workers run under one torchrun agent per training node, and online mode there splits the
 cluster: vLLM (and a Mooncake master) on an inference pool, torchrun on the training pool
 (online_training/pools.py). The online server is checked against the store before step one
-(online_training/checks.py).
+(online_training/checks.py). Once resolved, the run is one `TrainJob` (training/inputs.py):
+every branch, the servers around it (online_training/served.py) and the publishing read the job,
+not params.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from eagle3_pipeline.config import families
@@ -41,9 +42,8 @@ from eagle3_pipeline.core.errors import ParamsError, StoreError
 from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.drafter import mask_token
 from eagle3_pipeline.drafter.conventions import run_conventions
-from eagle3_pipeline.online_training import pools as online_pools
 from eagle3_pipeline.online_training import source as online
-from eagle3_pipeline.online_training.checks import check_and_log, check_server, served_by
+from eagle3_pipeline.online_training.served import served
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.training.checkpoints import discard_incomplete, resume_epoch
 from eagle3_pipeline.training.data import (
@@ -53,10 +53,15 @@ from eagle3_pipeline.training.data import (
     trained_rows,
     write_training_data,
 )
-from eagle3_pipeline.training.inputs import ResolvedRun, TrainInputs, distributed, nodes
+from eagle3_pipeline.training.inputs import (
+    ResolvedRun,
+    TrainInputs,
+    TrainJob,
+    distributed,
+    nodes,
+)
 from eagle3_pipeline.training.launch import die_with_agent, launch
 from eagle3_pipeline.training.metrics import MetricsSink, open_live, trim_live
-from eagle3_pipeline.training.online_backend import mooncake_env
 from eagle3_pipeline.training.publish import Outputs, publish
 from eagle3_pipeline.training.run import TrainSettings, run_training, untrained_val
 from eagle3_pipeline.verifier import identity as vf
@@ -96,68 +101,31 @@ def run(params: Params, outputs: Outputs | None = None, fraction: float | None =
     )
     log(STAGE, f"drafter {family}; wiring: {inputs.conventions.describe()}")
     trim_live(inputs.live_dir, inputs.save_dir)
-    settings = run_settings(params, inputs)  # the run, resolved once for every branch
+    # The run, resolved once for every branch: nothing below reads params for it.
+    job = TrainJob(run_settings(params, inputs), inputs, params.cluster, params.vllm)
+    _train_job(job, outputs)
+
+
+def _train_job(job: TrainJob, outputs: Outputs) -> None:
+    """Train `job` (in this process, or torchrun's workers; from the store, or online from its
+    servers) and publish to `outputs`."""
+    inputs = job.inputs
     # A checkpoint write that fails: OS reason, mount. Online, the hidden states' servers are up
     # (and checked) around the training, whichever way it runs.
-    with disk.guard(STAGE, inputs.save_dir), _served(params, inputs, settings) as served:
-        if served.pools is not None or distributed(t, params.cluster):
-            launch(
-                params.cluster, _resolved(served.settings, inputs), inputs, __name__, served.pools
-            )
+    with disk.guard(STAGE, inputs.save_dir), served(job) as source:
+        if source.pools is not None or job.distributed:
+            launch(job.cluster, job.resolved(source.settings), inputs, __name__, source.pools)
         else:
-            _train(served.settings, inputs, served.flags, served.source)
+            _train(source.settings, inputs, source.flags, source.source)
     # What the ranks' loaders held (training.data), not what params say they should have.
-    trained = trained_rows(inputs.save_dir, t.nproc * nodes(params.cluster))
+    trained = trained_rows(inputs.save_dir, job.world_size)
     log(STAGE, f"trained on {trained['train_rows']} rows ({trained['train_ids_hash'][:12]})")
     twin = None  # a branch is measured against its untrained twin (evaluate does train's)
-    if outputs.twin and t.hidden_states == "store":
-        twin = untrained_val(settings, inputs.work / "twin")
-    publish(outputs, inputs.live_dir, inputs.save_dir, t.epochs, t.family, twin, trained)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Served:
-    """Where the run's hidden states come from: the store (no server), or online a server (or
-    pools of them) checked against the store. `settings`: what torchrun's workers train (the
-    server named in their train section, not in params); `flags`: this process's trainer's."""
-
-    settings: TrainSettings
-    flags: dict | None = None
-    source: online.OnlineSource | None = None
-    pools: online_pools.Pools | None = None
-
-
-@contextlib.contextmanager
-def _served(params: Params, inputs: TrainInputs, settings: TrainSettings) -> Iterator[_Served]:
-    """The run's hidden-state source for as long as it trains: the store as it is, or online a
-    vLLM server (on a Ray cluster, an inference pool) started, checked and stopped here."""
-    t = params.train
-    if t.hidden_states != "online":
-        yield _Served(settings)
-        return
-    online.check_layer_order(inputs.aux, inputs.final)
-    layer_ids = [*inputs.aux, inputs.final]
-    verifier = inputs.verifier
-    if online_pools.uses_pools(t, params.cluster):
-        # Across nodes: vLLM (and the Mooncake master) on the inference pool, torchrun on the
-        # training pool (online_training/pools.py).
-        with online_pools.inference_pool(
-            params.cluster, t.online, verifier, params.vllm, layer_ids, inputs.work
-        ) as pools:
-            flags = check_and_log(settings, inputs, pools.source, len(pools.sources))
-            for other in pools.sources[1:]:  # every server, not only the one params name
-                check_server(settings, inputs, other, flags)
-            served = dataclasses.replace(settings, train=served_by(t, pools.source, pools.master))
-            yield _Served(served, flags, pools.source, pools)
-        return
-    os.environ.update(mooncake_env(t.online))  # torchrun workers inherit it
-    with online.online_source(t.online, verifier, params.vllm, layer_ids, inputs.work) as source:
-        os.environ.update(online.trainer_env(source))  # this process's trainer, or torchrun's
-        flags = check_and_log(settings, inputs, source)
-        if distributed(t, params.cluster):
-            # Workers read the server from the run: the one started here, or the given one.
-            settings = dataclasses.replace(settings, train=served_by(t, source))
-        yield _Served(settings, flags, source)
+    if outputs.twin and job.train.hidden_states == "store":
+        twin = untrained_val(job.settings, inputs.work / "twin")
+    publish(
+        outputs, inputs.live_dir, inputs.save_dir, job.train.epochs, job.train.family, twin, trained
+    )
 
 
 def run_family(params: Params, name: str) -> None:
@@ -296,11 +264,6 @@ def run_settings(params: Params, inputs: TrainInputs) -> TrainSettings:
         store_positions=inputs.positions,
         verifier_num_layers=inputs.final,
     )
-
-
-def _resolved(settings: TrainSettings, inputs: TrainInputs) -> ResolvedRun:
-    """The run as every torchrun worker trains it (online mode's flags are each rank's own)."""
-    return ResolvedRun(settings, inputs.row_ids, inputs.live_dir)
 
 
 def _train_resolved(run: ResolvedRun, source: online.OnlineSource | None = None) -> None:

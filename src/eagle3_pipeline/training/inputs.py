@@ -1,9 +1,11 @@
 """What one training run is, resolved once by the stage's process (the driver).
 
 The `train` stage builds a `TrainInputs` (training/family rows, the run's conventions, its scratch
-folder) and turns params and inputs into the run's TrainSettings. Torchrun workers get the
-result, a `ResolvedRun` the driver writes to the run's scratch folder: they never rebuild the run
-from params (nor hash the store again, nor lose a learning-curve fraction). `nodes` and
+folder), turns params and inputs into the run's TrainSettings, and hands every branch one
+`TrainJob` (those two, and the cluster and vLLM sections it runs on): the online servers
+(online_training/served.py), the launcher and the publishing read the job, not params. Torchrun
+workers get a `ResolvedRun` the driver writes to the run's scratch folder: they never rebuild the
+run from params (nor hash the store again, nor lose a learning-curve fraction). `nodes` and
 `distributed` say how many machines and processes train (training/launch.py launches them).
 """
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.config.params import VllmParams
 from eagle3_pipeline.config.training_params import ClusterParams, TrainParams
 from eagle3_pipeline.core import atomic
 from eagle3_pipeline.drafter.conventions import RunConventions
@@ -107,3 +110,31 @@ class ResolvedRun:
             if f.type in ("Path", Path) and settings.get(f.name) is not None:
                 settings[f.name] = Path(settings[f.name])
         return cls(TrainSettings(**settings), list(record["row_ids"]), Path(record["live_dir"]))
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """The run as the driver resolved it, once: what every branch trains from (this process,
+    torchrun, a Ray cluster; the store or an online server) and publishes."""
+
+    settings: TrainSettings
+    inputs: TrainInputs
+    cluster: ClusterParams
+    vllm: VllmParams  # online mode's servers
+
+    @property
+    def train(self) -> TrainParams:
+        return self.settings.train
+
+    @property
+    def distributed(self) -> bool:
+        return distributed(self.train, self.cluster)
+
+    @property
+    def world_size(self) -> int:
+        """Training processes in all: the ranks whose loaders record their rows."""
+        return self.train.nproc * nodes(self.cluster)
+
+    def resolved(self, settings: TrainSettings | None = None) -> ResolvedRun:
+        """What torchrun's workers train: `settings` (the job's unless an online server's)."""
+        return ResolvedRun(settings or self.settings, self.inputs.row_ids, self.inputs.live_dir)

@@ -16,6 +16,7 @@ from eagle3_pipeline.conversations import split
 from eagle3_pipeline.stages import train
 from eagle3_pipeline.training import launch as launch_module
 from eagle3_pipeline.training.data import ids_hash
+from eagle3_pipeline.training.inputs import TrainJob
 
 
 @pytest.fixture
@@ -34,7 +35,8 @@ def test_each_worker_trains_the_drivers_fraction(workspace: Path, monkeypatch) -
     assert driver.n_train < every_row.n_train  # the fraction is a part: the test can tell
     commands: list[list[str]] = []
     monkeypatch.setattr(launch_module, "launch_torchrun", commands.append)
-    run = train._resolved(train.run_settings(params, driver), driver)
+    job = TrainJob(train.run_settings(params, driver), driver, params.cluster, params.vllm)
+    run = job.resolved()
     launch_module.launch(params.cluster, run, driver, train.__name__)
     argv = commands[0][commands[0].index(train.__name__) + 1 :]
     assert argv == ["--worker", str((driver.work / launch_module.RUN_FILE).resolve())]

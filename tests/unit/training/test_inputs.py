@@ -1,4 +1,5 @@
-"""training/inputs.py: the run a driver resolves is the run its workers read back."""
+"""training/inputs.py: the run a driver resolves is the run its workers read back; a job counts
+its ranks as the launcher starts them."""
 
 from __future__ import annotations
 
@@ -6,10 +7,14 @@ import dataclasses
 import json
 from pathlib import Path
 
-from eagle3_pipeline.config.training_params import TrainParams
+import pytest
+
+from eagle3_pipeline.config.params import VllmParams
+from eagle3_pipeline.config.training_params import ClusterParams, TrainParams
 from eagle3_pipeline.drafter.conventions import RunConventions
-from eagle3_pipeline.training.inputs import ResolvedRun
+from eagle3_pipeline.training.inputs import ResolvedRun, TrainInputs, TrainJob
 from eagle3_pipeline.training.run import TrainSettings
+from eagle3_pipeline.verifier.identity import VerifierFacts
 
 FLAGS = {
     "norm_before_residual": True,
@@ -58,3 +63,41 @@ def test_a_servers_key_never_reaches_the_file(tmp_path: Path) -> None:
     back = ResolvedRun.read(path).settings
     assert back.online_flags is None and back.online_api_key is None
     assert back.train.online.endpoint == "http://10.0.0.2:8000/v1"  # the server it trains from
+
+
+def _job(nproc: int, cluster: dict) -> TrainJob:
+    settings = dataclasses.replace(
+        _settings(), train=_settings().train.model_copy(update={"nproc": nproc})
+    )
+    inputs = TrainInputs(
+        RunConventions([1, 2, 3], 4, dict(FLAGS), {}, {}),
+        [],
+        0,
+        Path("data/.work/train/k"),
+        ["a", "b"],
+        VerifierFacts("models/verifier", None, None, False, {}, ""),
+    )
+    return TrainJob(settings, inputs, ClusterParams.model_validate(cluster), VllmParams())
+
+
+@pytest.mark.parametrize(
+    ("nproc", "cluster", "world", "spread"),
+    [
+        (1, {}, 1, False),
+        (2, {}, 2, True),
+        (1, {"engine": "ray", "nodes": 3}, 3, True),
+        (2, {"engine": "ray", "nodes": 3}, 6, True),
+    ],
+)
+def test_a_job_counts_its_ranks_from_nproc_and_the_clusters_training_nodes(
+    nproc: int, cluster: dict, world: int, spread: bool
+) -> None:
+    job = _job(nproc, cluster)
+    assert (job.world_size, job.distributed) == (world, spread)
+
+
+def test_a_jobs_workers_train_its_rows_with_the_settings_they_are_given() -> None:
+    job = _job(2, {})
+    assert job.resolved() == ResolvedRun(job.settings, ["a", "b"], Path("data/.work/train/k/live"))
+    served = dataclasses.replace(job.settings, train=job.train.model_copy(update={"epochs": 5}))
+    assert job.resolved(served).settings.train.epochs == 5
