@@ -112,11 +112,11 @@ def _train_job(job: TrainJob, outputs: Outputs) -> None:
     inputs = job.inputs
     # A checkpoint write that fails: OS reason, mount. Online, the hidden states' servers are up
     # (and checked) around the training, whichever way it runs.
-    with disk.guard(STAGE, inputs.save_dir), served(job) as source:
-        if source.pools is not None or job.distributed:
-            launch(job.cluster, job.resolved(source.settings), inputs, __name__, source.pools)
+    with disk.guard(STAGE, inputs.save_dir), served(job) as serving:
+        if serving.pools is not None or job.distributed:
+            launch(job.cluster, job.resolved(serving.settings), inputs, __name__, serving.pools)
         else:
-            _train(source.settings, inputs, source.flags, source.source)
+            _train(serving.settings, inputs, serving.flags, serving.source)
     # What the ranks' loaders held (training.data), not what params say they should have.
     trained = trained_rows(inputs.save_dir, job.world_size)
     log(STAGE, f"trained on {trained['train_rows']} rows ({trained['train_ids_hash'][:12]})")
