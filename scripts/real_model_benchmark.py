@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3_pipeline.evaluation import learning_curve as lc
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench/results/real-model.json"
 PROFILE = "smollm2"
@@ -228,7 +230,7 @@ def grown(first: dict, second: dict, on_first_val: dict | None = None) -> dict:
         if None not in pair and None not in pair_2x and sum(pair) > 0
         else None
     )
-    predicted = _at_2x(first["curve"].get("predictions"))
+    predicted = lc.prediction_at(first["curve"], 2.0)
     measured = second["offline_tau"]
     check = None
     if predicted is not None:
@@ -250,10 +252,6 @@ def grown(first: dict, second: dict, on_first_val: dict | None = None) -> dict:
     }
 
 
-def _at_2x(predictions: list[dict] | None) -> dict | None:
-    return next((p for p in predictions or [] if p["data_multiple"] == 2.0), None)
-
-
 def _held(predicted: dict, measured: float, on_first_val: dict | None) -> dict:
     """A form's prediction at 2x against what 2x measured: on its own val samples, and on the
     first run's (the samples the prediction's interval resamples)."""
@@ -273,7 +271,7 @@ def _held(predicted: dict, measured: float, on_first_val: dict | None) -> dict:
 def _bend_held(curve: dict, measured: float, on_first_val: dict | None) -> dict:
     """The bend's prediction at 2x held against the same measurements, where the first run's
     curve has one."""
-    predicted = _at_2x((curve.get("bend") or {}).get("predictions"))
+    predicted = lc.prediction_at(curve, 2.0, "bend")
     return {"bend": _held(predicted, measured, on_first_val)} if predicted else {}
 
 
@@ -294,7 +292,6 @@ def measure_on_first_val() -> dict | None:
     if not FIRST_VAL_IDS.is_file():
         return None
     from eagle3_pipeline.config.params import load_params
-    from eagle3_pipeline.evaluation import learning_curve as lc
     from eagle3_pipeline.stages import curve
 
     os.chdir(REPO)

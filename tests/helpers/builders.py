@@ -17,12 +17,15 @@ import copy
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from eagle3_pipeline.config.params import Params
 from eagle3_pipeline.config.training_params import TrainParams
+
+if TYPE_CHECKING:
+    from eagle3_pipeline.training.inputs import TrainJob
 
 REPO = Path(__file__).resolve().parents[2]
 PARAMS_YAML = REPO / "params.yaml"
@@ -150,3 +153,39 @@ QUIET_TRAIN: dict[str, Any] = {
 def train_params(**overrides: Any) -> TrainParams:
     """TrainParams of QUIET_TRAIN with `overrides` (TrainParams fields), validated."""
     return TrainParams(**(QUIET_TRAIN | overrides))
+
+
+def train_job(
+    train: TrainParams | None = None,
+    cluster: Mapping[str, Any] | None = None,
+    aux: list[int] | None = None,
+    row_ids: list[str] | None = None,
+) -> TrainJob:
+    """A resolved training run (training/inputs.TrainJob) without a store: `train` (QUIET_TRAIN's
+    when None) on cluster section `cluster`, aux ids `aux` ([1, 2]) + final 3, rows `row_ids`
+    (["a", "b"]), scratch folder data/.work/train/k."""
+    from eagle3_pipeline.config.params import VllmParams
+    from eagle3_pipeline.config.training_params import ClusterParams
+    from eagle3_pipeline.drafter.conventions import RunConventions
+    from eagle3_pipeline.training.inputs import TrainInputs, TrainJob
+    from eagle3_pipeline.training.run import TrainSettings
+    from eagle3_pipeline.verifier.identity import VerifierFacts
+
+    conventions = RunConventions([1, 2] if aux is None else aux, 3, {}, {}, {})
+    verifier = VerifierFacts("models/verifier", None, None, False, {}, "")
+    work = Path("data/.work/train/k")
+    inputs = TrainInputs(
+        conventions, [], 0, work, ["a", "b"] if row_ids is None else row_ids, verifier
+    )
+    settings = TrainSettings.from_params(
+        train or train_params(),
+        data_dir=inputs.data_dir,
+        save_dir=inputs.save_dir,
+        verifier_dir=Path(verifier.path),
+        vocab_dir=Path("data/vocab"),
+        draft_vocab_size=64,
+        conventions=conventions,
+        train_data_ratio=1.0,
+        nodes=1,
+    )
+    return TrainJob(settings, inputs, ClusterParams.model_validate(cluster or {}), VllmParams())

@@ -165,6 +165,17 @@ def peak_epoch(taus: Sequence[float]) -> int | None:
     return int(np.argmax(taus)) if len(taus) else None
 
 
+def prediction_at(
+    curve: dict[str, Any], multiple: float, form: str = "line"
+) -> dict[str, Any] | None:
+    """A curve result's (metrics/curve.json) `form` prediction at `multiple` times the full
+    run's tokens; None where it has none."""
+    predictions = (
+        curve.get("predictions") if form == "line" else (curve.get(form) or {}).get("predictions")
+    )
+    return next((p for p in predictions or [] if p["data_multiple"] == multiple), None)
+
+
 def summary_lines(curve: dict[str, Any]) -> list[str]:
     """The curve in a few log lines (the stage's log and the end-of-run summary)."""
     lines = []

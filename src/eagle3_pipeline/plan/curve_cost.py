@@ -333,9 +333,9 @@ def trade(
         {"store": train_s / 3600, "online": (train_s + more * prefill) / 3600},
         f"train, all {more} epochs (train.epochs sets the schedule)",
     )
-    two = _at_2x(curve.get("predictions"))
+    two = lc.prediction_at(curve, 2.0)
     tau_two = two["tau"] if two is not None else f.tau(2 * tokens)
-    bend = _at_2x((curve.get("bend") or {}).get("predictions"))
+    bend = lc.prediction_at(curve, 2.0, "bend")
     # The line fell short at 2x in both real-model runs: beside it, the bend (learning_curve.py).
     also = f"; the bend: {bend['tau']:.3f}" if bend is not None else ""
     added = tokens / (1 - params.prepare.val_ratio)  # the added rows' tokens, val made too
@@ -352,10 +352,6 @@ def trade(
         "generate (+ extract) the added rows; train on all of them",
     )
     return [one_more, double]
-
-
-def _at_2x(predictions: list[dict[str, Any]] | None) -> dict[str, Any] | None:
-    return next((p for p in predictions or [] if p["data_multiple"] == 2.0), None)
 
 
 def _epoch_gain(curve: dict[str, Any]) -> tuple[float | None, str]:

@@ -43,7 +43,7 @@ from eagle3_pipeline.core.progress import log
 from eagle3_pipeline.drafter import mask_token
 from eagle3_pipeline.drafter.conventions import run_conventions
 from eagle3_pipeline.online_training import source as online
-from eagle3_pipeline.online_training.served import served
+from eagle3_pipeline.online_training.served import Served, served
 from eagle3_pipeline.store import format as store
 from eagle3_pipeline.training.checkpoints import discard_incomplete, resume_epoch
 from eagle3_pipeline.training.data import (
@@ -116,7 +116,7 @@ def _train_job(job: TrainJob, outputs: Outputs) -> None:
         if serving.pools is not None or job.distributed:
             launch(job.cluster, job.resolved(serving.settings), inputs, __name__, serving.pools)
         else:
-            _train(serving.settings, inputs, serving.flags, serving.source)
+            _train(job, serving)
     # What the ranks' loaders held (training.data), not what params say they should have.
     trained = trained_rows(inputs.save_dir, job.world_size)
     log(STAGE, f"trained on {trained['train_rows']} rows ({trained['train_ids_hash'][:12]})")
@@ -234,17 +234,12 @@ def _samples(
     return samples, len(rows["train"]), [r["id"] for part in ("train", "val") for r in rows[part]]
 
 
-def _train(
-    settings: TrainSettings,
-    inputs: TrainInputs,
-    online_flags: dict | None = None,
-    source: online.OnlineSource | None = None,
-) -> None:
-    """The training of the stage's only process (online mode: with its flags and key)."""
+def _train(job: TrainJob, serving: Served) -> None:
+    """The training of the stage's only process (online mode: with its server's flags and key)."""
     own = dataclasses.replace(
-        settings, online_flags=online_flags, online_api_key=online.trainer_key()
+        serving.settings, online_flags=serving.flags, online_api_key=online.trainer_key()
     )
-    _train_resolved(ResolvedRun(own, inputs.row_ids, inputs.live_dir), source)
+    _train_resolved(job.resolved(own), serving.source)
 
 
 def run_settings(params: Params, inputs: TrainInputs) -> TrainSettings:

@@ -93,3 +93,12 @@ def test_peak_epoch() -> None:
     assert lc.peak_epoch([1.2, 1.8, 1.9, 1.85]) == 2
     assert lc.peak_epoch([]) is None
     assert math.isclose(lc.tau_of(10, 15), 2.5)
+
+
+def test_a_curves_prediction_at_a_multiple_is_read_per_form() -> None:
+    line = [{"data_multiple": 1.5, "tau": 2.1}, {"data_multiple": 2.0, "tau": 2.2}]
+    curve = {"predictions": line, "bend": {"predictions": [{"data_multiple": 2.0, "tau": 2.3}]}}
+    assert lc.prediction_at(curve, 2.0)["tau"] == 2.2
+    assert lc.prediction_at(curve, 2.0, "bend")["tau"] == 2.3
+    assert lc.prediction_at(curve, 3.0) is None
+    assert lc.prediction_at({"predictions": None, "bend": None}, 2.0, "bend") is None

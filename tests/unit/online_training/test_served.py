@@ -7,45 +7,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from pathlib import Path
 
 import pytest
-from builders import train_params
+from builders import train_job, train_params
 
-from eagle3_pipeline.config.params import VllmParams
-from eagle3_pipeline.config.training_params import ClusterParams
-from eagle3_pipeline.drafter.conventions import RunConventions
 from eagle3_pipeline.online_training import served as served_module
 from eagle3_pipeline.online_training import source as online
-from eagle3_pipeline.training.inputs import TrainInputs, TrainJob
+from eagle3_pipeline.training.inputs import TrainJob
 from eagle3_pipeline.training.online_backend import LOCAL_HOSTNAME_VAR
-from eagle3_pipeline.training.run import TrainSettings
-from eagle3_pipeline.verifier.identity import VerifierFacts
 
 SERVER = online.OnlineSource("http://10.0.0.2:8000/v1", "the stand-in server")
 
 
 def _job(**train) -> TrainJob:
-    inputs = TrainInputs(
-        RunConventions([1, 2], 3, {}, {}, {}),
-        [],
-        0,
-        Path("data/.work/train/k"),
-        [],
-        VerifierFacts("models/verifier", None, None, False, {}, ""),
-    )
-    settings = TrainSettings.from_params(
-        train_params(**train),
-        data_dir=inputs.data_dir,
-        save_dir=inputs.save_dir,
-        verifier_dir=Path("models/verifier"),
-        vocab_dir=Path("data/vocab"),
-        draft_vocab_size=64,
-        conventions=inputs.conventions,
-        train_data_ratio=1.0,
-        nodes=1,
-    )
-    return TrainJob(settings, inputs, ClusterParams(), VllmParams())
+    return train_job(train_params(**train))
 
 
 @pytest.fixture
@@ -103,11 +78,7 @@ def test_a_mooncake_trainer_registers_with_the_address_params_give(
 def test_online_aux_ids_out_of_order_are_refused_before_a_server_starts(
     server: list[str],
 ) -> None:
-    job = _job(hidden_states="online")
-    job = dataclasses.replace(
-        job,
-        inputs=dataclasses.replace(job.inputs, conventions=RunConventions([2, 1], 3, {}, {}, {})),
-    )
+    job = train_job(train_params(hidden_states="online"), aux=[2, 1])
     with pytest.raises(Exception, match="ascending"), served_module.served(job):
         pass
     assert server == []

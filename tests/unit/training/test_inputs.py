@@ -8,13 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
+from builders import train_job, train_params
 
-from eagle3_pipeline.config.params import VllmParams
-from eagle3_pipeline.config.training_params import ClusterParams, TrainParams
+from eagle3_pipeline.config.training_params import TrainParams
 from eagle3_pipeline.drafter.conventions import RunConventions
-from eagle3_pipeline.training.inputs import ResolvedRun, TrainInputs, TrainJob
+from eagle3_pipeline.training.inputs import ResolvedRun
 from eagle3_pipeline.training.run import TrainSettings
-from eagle3_pipeline.verifier.identity import VerifierFacts
 
 FLAGS = {
     "norm_before_residual": True,
@@ -65,21 +64,6 @@ def test_a_servers_key_never_reaches_the_file(tmp_path: Path) -> None:
     assert back.train.online.endpoint == "http://10.0.0.2:8000/v1"  # the server it trains from
 
 
-def _job(nproc: int, cluster: dict) -> TrainJob:
-    settings = dataclasses.replace(
-        _settings(), train=_settings().train.model_copy(update={"nproc": nproc})
-    )
-    inputs = TrainInputs(
-        RunConventions([1, 2, 3], 4, dict(FLAGS), {}, {}),
-        [],
-        0,
-        Path("data/.work/train/k"),
-        ["a", "b"],
-        VerifierFacts("models/verifier", None, None, False, {}, ""),
-    )
-    return TrainJob(settings, inputs, ClusterParams.model_validate(cluster), VllmParams())
-
-
 @pytest.mark.parametrize(
     ("nproc", "cluster", "world", "spread"),
     [
@@ -92,12 +76,12 @@ def _job(nproc: int, cluster: dict) -> TrainJob:
 def test_a_job_counts_its_ranks_from_nproc_and_the_clusters_training_nodes(
     nproc: int, cluster: dict, world: int, spread: bool
 ) -> None:
-    job = _job(nproc, cluster)
+    job = train_job(train_params(nproc=nproc), cluster)
     assert (job.world_size, job.distributed) == (world, spread)
 
 
 def test_a_jobs_workers_train_its_rows_with_the_settings_they_are_given() -> None:
-    job = _job(2, {})
+    job = train_job(train_params(nproc=2))
     assert job.resolved() == ResolvedRun(job.settings, ["a", "b"], Path("data/.work/train/k/live"))
     served = dataclasses.replace(job.settings, train=job.train.model_copy(update={"epochs": 5}))
     assert job.resolved(served).settings.train.epochs == 5
